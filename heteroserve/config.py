@@ -1,0 +1,81 @@
+"""Engine configuration: one validated dataclass per concern, named as vLLM names them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None  # None: the embedded default model
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    quantization: str | None = None
+    generation_config: str = "auto"  # "auto": the checkpoint's generation_config.json; "vllm": none
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # None: the platform's default budget
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None  # overrides the budget, for tests and tuning
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: 2048 with chunked prefill, else max_model_len
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    max_model_len: int = 0  # filled in from the model once it is known
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+    def finalize(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max_model_len
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({max_model_len}), or a long prompt could never be scheduled"
+            )
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)

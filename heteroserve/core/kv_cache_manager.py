@@ -1,0 +1,111 @@
+"""Maps requests to KV blocks: prefix-cache lookup, slot allocation as tokens arrive, and freeing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from heteroserve.core.block_pool import BlockHash, BlockPool, KVBlock, hash_block
+from heteroserve.core.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # prompt tokens found cached
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.stats = PrefixCacheStats()
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_registered: dict[str, int] = {}  # leading blocks already offered to the prefix cache
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Cached full blocks at the start of the request's tokens; the last token is always left to compute."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        hashes = self._block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        parent = None
+        for i, block_hash in enumerate(hashes[:max_blocks]):
+            tokens = tuple(request.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block = self.pool.lookup(block_hash, parent, tokens)
+            if block is None:
+                break
+            hits.append(block)
+            parent = block_hash
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.stats.queries += num_tokens
+        self.stats.hits += num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[KVBlock] = ()) -> bool:
+        """Makes room for `num_new_tokens` after the computed (and newly cached) ones; False if blocks run out."""
+        owned = self._blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        needed = self.blocks_needed(total) - len(owned) - len(cached_blocks)
+        reclaimable_hits = sum(1 for b in cached_blocks if b.ref_count == 0)
+        if needed > self.pool.num_free_blocks - reclaimable_hits:
+            if not owned:
+                del self._blocks[request.request_id]
+            return False
+        self.pool.touch(list(cached_blocks))
+        owned.extend(cached_blocks)
+        if needed > 0:
+            owned.extend(self.pool.allocate(needed))
+        return True
+
+    def free(self, request: Request) -> None:
+        blocks = self._blocks.pop(request.request_id, [])
+        self.pool.free(list(reversed(blocks)))
+        self._hashes.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks, extended as its tokens grow."""
+        hashes = self._hashes.setdefault(request.request_id, [])
+        size = self.block_size
+        while (len(hashes) + 1) * size <= request.num_tokens:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(request.token_ids[i * size : (i + 1) * size])))
+        return hashes
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Offers the request's full blocks whose KV is now computed to the prefix cache.
+
+        Only computed blocks are offered, so a hit never reads KV that a forward pass has yet to write.
+        """
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        owned = self._blocks.get(rid, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(owned))
+        start = self._num_registered.get(rid, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request)
+        for i in range(start, num_full):
+            parent = hashes[i - 1] if i else None
+            tokens = tuple(request.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            self.pool.cache(owned[i], hashes[i], parent, tokens)
+        self._num_registered[rid] = num_full

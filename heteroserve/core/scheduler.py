@@ -1,0 +1,220 @@
+"""Continuous batching with a token budget.
+
+Each request tracks how many of its tokens have KV computed; every step hands out up to
+`max_num_batched_tokens` new tokens to running requests first, then to waiting ones. A prompt larger than
+what is left of the budget is cut into chunks (chunked prefill), so prompt chunks and decodes share a step.
+When KV blocks run out, the least urgent running request is preempted: its blocks are freed and it is
+recomputed later from its tokens so far.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from heteroserve.config import SchedulerConfig
+from heteroserve.core.kv_cache_manager import KVCacheManager
+from heteroserve.core.policy import POLICIES, RequestQueue
+from heteroserve.core.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens
+    block_ids: list[int]
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so a new token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_preemptions: int
+    prefix_queries: int
+    prefix_hits: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.policy = POLICIES[config.policy]()
+        self.waiting = RequestQueue(self.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[str] = []
+
+        def preempt(victim: Request) -> None:
+            nonlocal budget
+            if victim.request_id in scheduled:
+                budget += scheduled.pop(victim.request_id).num_new_tokens
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if budget == 0:
+                break
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = max(self.running, key=self.waiting.key_of)
+                preempt(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = ScheduledRequest(request, num_new, [])
+                budget -= num_new
+
+        while self.waiting and budget > 0 and not preempted:
+            request = self.waiting.peek()
+            if self._waits_for_leader(request):
+                break
+            if len(self.running) >= self.config.max_num_seqs:
+                victim = self._victim_for(request)
+                if victim is None:
+                    break
+                preempt(victim)
+            cached_blocks, num_cached = self.kv_cache.find_cached_prefix(request)
+            num_new = request.num_tokens - num_cached
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, cached_blocks):
+                victim = self._victim_for(request)
+                if victim is None:
+                    break
+                preempt(victim)
+                continue
+            self.waiting.pop()
+            self.kv_cache.record_prefix_lookup(request.num_tokens, num_cached)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request.request_id] = ScheduledRequest(request, num_new, [])
+            budget -= num_new
+
+        for item in scheduled.values():
+            item.block_ids = self.kv_cache.block_ids(item.request.request_id)
+        return SchedulerOutput(list(scheduled.values()), preempted)
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advances computed tokens, appends sampled tokens, and finishes requests that hit a stop rule."""
+        finished = []
+        now = time.time()
+        for item in output.scheduled:
+            request = item.request
+            if request.status != RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv_cache.cache_computed_blocks(request)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = self._stop_status(request, token)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+                finished.append(request)
+        return finished
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Ends a request (stop, length or abort) and frees its blocks; unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.waiting.forget(request)
+        request.status = status
+        request.finished_time = time.time()
+        self.kv_cache.free(request)
+        return request
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.kv_cache.usage,
+            num_preemptions=self.num_preemptions,
+            prefix_queries=self.kv_cache.stats.queries,
+            prefix_hits=self.kv_cache.stats.hits,
+        )
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(request)
+
+    def _victim_for(self, request: Request) -> Request | None:
+        """A running request less urgent than `request` that the policy lets it preempt, if any."""
+        if not self.policy.can_preempt_for_waiting or not self.running:
+            return None
+        victim = max(self.running, key=self.waiting.key_of)
+        return victim if self.waiting.key_of(victim) > self.waiting.key_of(request) else None
+
+    def _waits_for_leader(self, request: Request) -> bool:
+        """Siblings of an n > 1 request wait until the first one's prompt is cached, then share its blocks."""
+        leader = request.prefix_leader
+        if leader is None or leader.status.finished or not self.kv_cache.enable_prefix_caching:
+            return False
+        return leader.num_computed_tokens < leader.num_prompt_tokens

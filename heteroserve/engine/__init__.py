@@ -1,0 +1,1 @@
+"""The engine loop: requests in, incremental outputs out."""

@@ -1,0 +1,167 @@
+"""The synchronous engine: `add_request`, `step`, `abort_request`. The server and `LLM` both drive it."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from heteroserve.config import EngineConfig
+from heteroserve.core.kv_cache_manager import KVCacheManager
+from heteroserve.core.request import Request, RequestStatus
+from heteroserve.core.scheduler import Scheduler, SchedulerStats
+from heteroserve.engine.output_processor import OutputProcessor, ParentRequest
+from heteroserve.model.loader import load_model
+from heteroserve.outputs import RequestOutput
+from heteroserve.platforms import resolve_platform
+from heteroserve.sampling_params import SamplingParams
+from heteroserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | Sequence[int] | Mapping[str, object]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.platform = resolve_platform(config.device.device)
+        self.platform.configure_process()
+        torch.manual_seed(config.model.seed)
+        loaded = load_model(config.model, self.platform)
+        self.model_name = loaded.source.name
+        self.tokenizer = loaded.tokenizer
+        self.hf_config = loaded.hf_config
+        self.dtype = loaded.dtype
+        self.max_model_len = loaded.max_model_len
+        self.eos_token_id = loaded.eos_token_id
+        self.extra_eos_token_ids = loaded.extra_eos_token_ids
+        self.sampling_defaults = loaded.sampling_defaults
+        config.scheduler.finalize(loaded.max_model_len)
+        self.runner = ModelRunner(loaded, self.platform, config.cache, config.model.seed)
+        kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, kv_cache)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._children: dict[str, list[str]] = {}  # user request id -> engine request ids (n > 1)
+        self._pending: list[RequestOutput] = []  # outputs of aborted requests, reported by the next step
+        tokens = self.runner.num_blocks * config.cache.block_size
+        logger.info(
+            "model %s on %s (%s): KV cache of %d blocks x %d tokens = %d tokens, %.1fx concurrency at max_model_len=%d",
+            self.model_name, self.platform.name, str(self.dtype).removeprefix("torch."), self.runner.num_blocks,
+            config.cache.block_size, tokens, tokens / self.max_model_len, self.max_model_len,
+        )
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults applied, as vLLM does."""
+        return SamplingParams(**self.sampling_defaults)
+
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompt_token_ids")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validates and queues a request; a bad request raises ValueError and leaves the others untouched."""
+        params = params or self.default_sampling_params()
+        text, token_ids = self.tokenize_prompt(prompt)
+        self._validate(request_id, token_ids)
+        if not params.ignore_eos and self.extra_eos_token_ids:
+            params = params.clone(stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
+        arrival = arrival_time or time.time()
+        if params.n == 1:
+            self._add(Request(request_id, token_ids, params, self.eos_token_id, priority, arrival), text)
+            return
+        parent = ParentRequest(request_id, params.n)
+        leader = None
+        child_ids = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child = Request(f"{i}_{request_id}", token_ids, params.clone(n=1, seed=seed), self.eos_token_id, priority, arrival)
+            child.prefix_leader = leader
+            leader = leader or child
+            self._add(child, text, i, parent)
+            child_ids.append(child.request_id)
+        self._children[request_id] = child_ids
+
+    def _add(self, request: Request, text: str | None, index: int = 0, parent: ParentRequest | None = None) -> None:
+        self.scheduler.add_request(request)
+        self.outputs.add(request, text, index, parent)
+
+    def _validate(self, request_id: str, token_ids: list[int]) -> None:
+        if request_id in self.scheduler.requests or request_id in self._children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
+        vocab = self.runner.arch.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Stops requests at once and frees their blocks; each gets a final output with reason 'abort'."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for request_id in ids:
+            for engine_id in self._children.get(request_id, [request_id]):
+                if self.scheduler.finish_request(engine_id, RequestStatus.FINISHED_ABORTED) is not None:
+                    self.runner.release(engine_id)
+                    output = self.outputs.make_output(engine_id)
+                    if output is not None:
+                        self._pending.append(output)
+            self._forget_parent(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        scheduled = self.scheduler.schedule()
+        if not scheduled.scheduled:
+            return outputs
+        results = self.runner.execute(scheduled)
+        sampled = {rid: r.token_id for rid, r in results.items() if r.token_id is not None}
+        self.scheduler.update_from_output(scheduled, sampled)
+        for item in scheduled.scheduled:
+            request = item.request
+            rid = request.request_id
+            result = results[rid]
+            if result.prompt_logprobs:
+                self.outputs.add_prompt_logprobs(rid, result.prompt_logprobs)
+            if result.token_id is None:
+                continue
+            if self.outputs.add_token(rid, result.token_id, result.logprobs) and not request.status.finished:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            if request.status.finished:
+                self.runner.release(rid)
+            output = self.outputs.make_output(rid)
+            if output is not None:
+                outputs.append(output)
+                if output.finished:
+                    self._forget_parent(output.request_id)
+        return outputs
+
+    def _forget_parent(self, request_id: str) -> None:
+        children = self._children.get(request_id)
+        if children is not None and not any(c in self.scheduler.requests for c in children):
+            del self._children[request_id]
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()

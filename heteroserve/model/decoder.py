@@ -1,0 +1,90 @@
+"""One decoder-only transformer for every supported architecture; the differences are in `ModelArch`.
+
+Tokens from all scheduled requests arrive flattened ([T] ids and positions), so each projection is one
+matrix product over the whole step. Query/key/value and gate/up projections are fused at load time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from heteroserve.model.arch import ModelArch
+from heteroserve.model.layers.attention import AttentionMetadata, paged_attention
+from heteroserve.model.layers.norm import RMSNorm
+from heteroserve.model.layers.rotary import RotaryEmbedding
+
+
+def _weight(rows: int, cols: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(rows, cols), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = _weight(self.q_size + 2 * self.kv_size, arch.hidden_size)
+        self.qkv_bias = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size), requires_grad=False) if arch.qkv_bias else None
+        self.o_proj = _weight(arch.hidden_size, self.q_size)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return F.linear(out.flatten(1), self.o_proj)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.gate_up_proj = _weight(2 * arch.intermediate_size, arch.hidden_size)
+        self.down_proj = _weight(arch.hidden_size, arch.intermediate_size)
+
+    def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        gate, up = F.linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, arch: ModelArch, hf_config: PretrainedConfig, max_positions: int) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = None if arch.tie_word_embeddings else _weight(arch.vocab_size, arch.hidden_size)
+        self.rotary = RotaryEmbedding(hf_config, arch.head_dim, max_positions)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rotary, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits for the given rows only (the LM head runs just where tokens are sampled)."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head).float()

@@ -1,0 +1,125 @@
+"""Turns float32 logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeded draws.
+
+Each request draws from its own `torch.Generator`, so a seeded request gives the same tokens whatever
+else shares its batch. Logprobs are those of the raw model output (before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from heteroserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    token_ids: list[int]  # prompt followed by output so far
+    num_prompt_tokens: int
+    stop_ids: list[int]  # eos and stop tokens, masked while min_tokens is not reached
+    generator: torch.Generator | None
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+def logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """Chosen-token logprob and rank plus the top-k, row by row."""
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    top_vals, top_ids = logprobs.topk(k, dim=1) if k else (logprobs[:, :0], token_ids[:, None][:, :0])
+    return [
+        TokenLogprobs(int(t), float(c), int(r), ids, vals)
+        for t, c, r, ids, vals in zip(
+            token_ids.tolist(), chosen[:, 0].tolist(), ranks.tolist(), top_ids.tolist(), top_vals.tolist(), strict=True
+        )
+    ]
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in rows):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties(logits, rows)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            index = torch.tensor(random_rows, device=logits.device)
+            drawn = self._draw(logits[index], [rows[i] for i in random_rows])
+            tokens[index] = drawn
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+            k = max(rows[i].params.logprobs for i in wanted)
+            index = torch.tensor(wanted, device=logits.device)
+            for i, entry in zip(wanted, logprobs_of(raw_logprobs[index], tokens[index], k), strict=True):
+                n = rows[i].params.logprobs
+                entry.top_ids, entry.top_logprobs = entry.top_ids[:n], entry.top_logprobs[:n]
+                logprobs[i] = entry
+        return tokens.tolist(), logprobs
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        adjusted = None
+        for i, row in enumerate(rows):
+            p = row.params
+            num_output = len(row.token_ids) - row.num_prompt_tokens
+            needs_min = num_output < p.min_tokens and row.stop_ids
+            penalised = p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
+            if not (needs_min or penalised):
+                continue
+            if adjusted is None:
+                adjusted = logits.clone()
+            line = adjusted[i]
+            if penalised:
+                device = logits.device
+                output = torch.tensor(row.token_ids[row.num_prompt_tokens :], dtype=torch.long, device=device)
+                if p.repetition_penalty != 1:
+                    seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long, device=device)
+                    values = line[seen]
+                    line[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+                if output.numel() and (p.presence_penalty or p.frequency_penalty):
+                    counts = torch.bincount(output, minlength=line.numel()).to(line.dtype)
+                    line -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(line.dtype)
+            if needs_min:
+                line[torch.tensor(row.stop_ids, dtype=torch.long, device=logits.device)] = float("-inf")
+        return logits if adjusted is None else adjusted
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        temperature = torch.tensor([r.params.temperature for r in rows], device=logits.device)
+        logits = logits / temperature[:, None]
+        top_k = [r.params.top_k for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        min_p = [r.params.min_p for r in rows]
+        if any(top_k) or any(p < 1 for p in top_p):
+            logits = _filter_top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if any(min_p):
+            threshold = torch.tensor(min_p, device=logits.device)[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, one generator per row.
+        noise = torch.empty_like(probs)
+        for i, row in enumerate(rows):
+            noise[i].exponential_(generator=row.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    k = torch.tensor([t if t else vocab for t in top_k], device=logits.device)
+    positions = torch.arange(vocab, device=logits.device)[None, :]
+    drop = positions >= k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before each token; the top token always stays
+    drop |= before >= torch.tensor(top_p, device=logits.device)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,124 @@
+"""Loads a model, its tokenizer and its generation defaults from any supported source."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from heteroserve.config import ModelConfig
+from heteroserve.model.arch import ModelArch
+from heteroserve.model.decoder import DecoderModel
+from heteroserve.model.loader.gguf_loader import gguf_config, iterate_gguf, open_gguf
+from heteroserve.model.loader.safetensors_loader import iterate_safetensors
+from heteroserve.model.loader.source import ModelSource, resolve_model
+from heteroserve.model.loader.weights import load_weights
+from heteroserve.platforms import Platform
+
+logger = logging.getLogger(__name__)
+
+# generation_config.json fields that become default sampling parameters, as vLLM applies them.
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    model: DecoderModel
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase | None
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_id: int | None
+    extra_eos_token_ids: list[int] = field(default_factory=list)
+    sampling_defaults: dict[str, object] = field(default_factory=dict)
+
+
+def load_model(config: ModelConfig, platform: Platform) -> LoadedModel:
+    source = resolve_model(config.model)
+    if source.gguf_file is not None:
+        reader = open_gguf(source.gguf_file)
+        hf_config = gguf_config(reader)
+        checkpoint_dtype = torch.float32  # dequantised
+        tensors = iterate_gguf(reader, hf_config)
+    else:
+        try:
+            hf_config = AutoConfig.from_pretrained(source.folder)
+        except (ValueError, OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{source.folder}/config.json is not a usable model config: {exc}") from exc
+        checkpoint_dtype = _config_dtype(hf_config)
+        tensors = iterate_safetensors(source.folder)
+    arch = ModelArch.from_hf_config(hf_config)
+    dtype = platform.resolve_dtype(config.dtype, checkpoint_dtype)
+    max_model_len = config.max_model_len or arch.max_position_embeddings
+    if max_model_len > arch.max_position_embeddings:
+        logger.warning("max_model_len %d exceeds the model's %d positions", max_model_len, arch.max_position_embeddings)
+    model = DecoderModel(arch, hf_config, max(max_model_len, arch.max_position_embeddings))
+    load_weights(model, tensors, dtype)
+    model.to(platform.device).eval()
+
+    tokenizer = _load_tokenizer(source)
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    if eos is None:
+        eos = _first(hf_config.eos_token_id)
+    generation = _generation_config(source.folder) if config.generation_config == "auto" else {}
+    extra_eos = [t for t in _as_list(generation.get("eos_token_id")) if t != eos]
+    defaults = {ours: generation[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if theirs in generation}
+    return LoadedModel(source, model, hf_config, tokenizer, dtype, max_model_len, eos, extra_eos, defaults)
+
+
+def _config_dtype(config: PretrainedConfig) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _generation_config(folder: Path) -> dict:
+    path = folder / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
+    """The folder's tokenizer, or one built from GGUF metadata (cached, since building takes seconds)."""
+    if source.gguf_file is None:
+        if not any((source.folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            logger.warning("%s has no tokenizer; prompts must be token ids", source.folder)
+            return None
+        return AutoTokenizer.from_pretrained(source.folder)
+    stat = source.gguf_file.stat()
+    key = hashlib.sha1(f"{source.gguf_file}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = Path.home() / ".cache" / "heteroserve" / "tokenizers" / key
+    if (cache / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(cache)
+    reader = open_gguf(source.gguf_file)
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        logger.warning("%s has no tokenizer metadata; prompts must be token ids", source.gguf_file)
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file.name)
+    try:
+        tokenizer.save_pretrained(cache)
+    except OSError:
+        logger.warning("could not cache the tokenizer in %s", cache)
+    return tokenizer
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _first(value) -> int | None:
+    values = _as_list(value)
+    return values[0] if values else None

@@ -1,0 +1,112 @@
+"""GGUF files: architecture and hyper-parameters from the metadata, tensors dequantised with `gguf`.
+
+Tensor names follow llama.cpp's convention (blk.N.attn_q, ...). llama.cpp's converter permutes the rows
+of Llama query/key weights so that rotary pairs are interleaved; we undo it to get the Hugging Face
+layout that our rotary embedding (rotate-half) expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from transformers import AutoConfig, PretrainedConfig
+
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_PERMUTED_QK = {"llama", "mistral"}
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    try:
+        return GGUFReader(str(path))
+    except Exception as exc:  # the reader raises assorted errors on damaged files
+        raise ValueError(f"cannot read GGUF file {path}: {exc} (truncated or not a GGUF file?)") from exc
+
+
+def _field(reader: GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_config(reader: GGUFReader) -> PretrainedConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    names = {t.name for t in reader.tensors}
+    num_heads = _field(reader, f"{arch}.attention.head_count")
+    hidden = _field(reader, f"{arch}.embedding_length")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
+    if vocab is None:
+        vocab = next(t.shape[1] for t in reader.tensors if t.name == "token_embd.weight")
+    kwargs = {
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", num_heads),
+        "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // num_heads),
+        "max_position_embeddings": _field(reader, f"{arch}.context_length", 4096),
+        "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_parameters": {"rope_type": "default", "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0)},
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    if arch == "mistral":
+        kwargs["sliding_window"] = _field(reader, f"{arch}.attention.sliding_window")
+    return AutoConfig.for_model(GGUF_ARCHITECTURES[arch], **kwargs)
+
+
+def _hf_name(gguf_name: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base.startswith("blk."):
+        _, index, kind = base.split(".", 2)
+        if kind not in _LAYER_TENSORS:
+            raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+        return f"model.layers.{index}.{_LAYER_TENSORS[kind]}.{suffix}"
+    if base not in _GLOBAL_TENSORS:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"{_GLOBAL_TENSORS[base]}.{suffix}"
+
+
+def _unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's row permutation: (head, pair, half) -> (head, half, pair) order."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def iterate_gguf(reader: GGUFReader, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    arch = _field(reader, "general.architecture")
+    for tensor in reader.tensors:
+        try:
+            qtype = GGMLQuantizationType(tensor.tensor_type)
+            values = dequantize(tensor.data, qtype)
+        except (NotImplementedError, ValueError) as exc:
+            raise ValueError(f"GGUF tensor {tensor.name!r} has unsupported type {tensor.tensor_type!r}: {exc}") from exc
+        values = np.asarray(values, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        name = _hf_name(tensor.name)
+        if arch in _PERMUTED_QK and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.num_attention_heads if "attn_q" in tensor.name else config.num_key_value_heads
+            values = _unpermute_rotary_rows(values, heads)
+        yield name, torch.from_numpy(np.array(values, dtype=np.float32))  # writable copy

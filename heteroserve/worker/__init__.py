@@ -1,0 +1,1 @@
+"""Runs the model: turns scheduler output into a batch, a forward pass and sampled tokens."""

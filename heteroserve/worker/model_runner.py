@@ -1,0 +1,126 @@
+"""Executes one scheduler step on the device: flatten, forward, LM head where needed, sample."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from heteroserve.config import CacheConfig
+from heteroserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from heteroserve.model.layers.attention import build_attention_metadata
+from heteroserve.model.layers.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_of
+from heteroserve.model.loader import LoadedModel
+from heteroserve.platforms import Platform
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    token_id: int | None = None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for tokens start+1 .. in order
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, platform: Platform, cache_config: CacheConfig, seed: int) -> None:
+        self.model = loaded.model
+        self.arch = loaded.model.arch
+        self.platform = platform
+        self.device = platform.device
+        self.dtype = loaded.dtype
+        self.block_size = cache_config.block_size
+        self.stop_ids = [loaded.eos_token_id] if loaded.eos_token_id is not None else []
+        self.num_blocks = cache_config.num_kv_blocks or platform.kv_cache_budget_bytes(
+            cache_config.kv_cache_memory_bytes
+        ) // self.bytes_per_block()
+        if self.num_blocks * self.block_size < loaded.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {self.num_blocks} blocks of {self.block_size} tokens, fewer than one "
+                f"request of max_model_len={loaded.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
+            )
+        shape = (self.arch.num_layers, 2, self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.sampler = Sampler()
+        self._seeds = random.Random(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def bytes_per_block(self) -> int:
+        a = self.arch
+        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> dict[str, StepResult]:
+        items = sorted(output.scheduled, key=lambda s: s.num_new_tokens != 1)  # one-token requests first
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decodes, prefills = [], []
+        for item in items:
+            start, n = item.start, item.num_new_tokens
+            if n == 1:
+                decodes.append((start, item.block_ids))
+            else:
+                prefills.append((len(input_ids), n, start, item.block_ids))
+            input_ids.extend(item.request.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            bs = self.block_size
+            slots.extend(item.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
+        meta = build_attention_metadata(self.block_size, slots, decodes, prefills, self.arch.sliding_window, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        kv = [(layer[0], layer[1]) for layer in self.kv_cache]
+        hidden = self.model(ids, pos, kv, meta)
+        return self._sample(items, hidden)
+
+    def _sample(self, items: list[ScheduledRequest], hidden: torch.Tensor) -> dict[str, StepResult]:
+        rows: list[int] = []  # hidden rows that go through the LM head
+        sample_rows: list[tuple[ScheduledRequest, int]] = []
+        prompt_rows: list[tuple[ScheduledRequest, int, int]] = []  # (item, first row, count)
+        offset = 0
+        for item in items:
+            request, start, n = item.request, item.start, item.num_new_tokens
+            if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+                count = min(start + n, request.num_prompt_tokens - 1) - start
+                prompt_rows.append((item, len(rows), count))
+                rows.extend(range(offset, offset + count))
+            if item.samples:
+                sample_rows.append((item, len(rows)))
+                rows.append(offset + n - 1)
+            offset += n
+        results = {item.request.request_id: StepResult() for item in items}
+        if not rows:
+            return results
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if sample_rows:
+            index = torch.tensor([r for _, r in sample_rows], device=self.device)
+            tokens, logprobs = self.sampler(logits[index], [self._sampling_row(item) for item, _ in sample_rows])
+            for (item, _), token, entry in zip(sample_rows, tokens, logprobs, strict=True):
+                results[item.request.request_id].token_id = token
+                results[item.request.request_id].logprobs = entry
+        for item, first, count in prompt_rows:
+            request = item.request
+            targets = torch.tensor(request.token_ids[item.start + 1 : item.start + 1 + count], device=self.device)
+            lp = torch.log_softmax(logits[first : first + count], dim=-1)
+            results[request.request_id].prompt_logprobs = logprobs_of(lp, targets, request.sampling_params.prompt_logprobs)
+        return results
+
+    def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
+        request = item.request
+        params = request.sampling_params
+        generator = None
+        if not params.greedy:
+            generator = self._generators.get(request.request_id)
+            if generator is None:
+                generator = torch.Generator(self.device)
+                generator.manual_seed(params.seed if params.seed is not None else self._seeds.getrandbits(63))
+                self._generators[request.request_id] = generator
+        stop_ids = params.stop_token_ids + ([] if params.ignore_eos else self.stop_ids)
+        return SamplingRow(params, request.token_ids, request.num_prompt_tokens, stop_ids, generator)
+
