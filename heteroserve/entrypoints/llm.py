@@ -43,6 +43,14 @@ class LLM:
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An LLM from a ready EngineConfig (the CLI builds one from its flags)."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        llm._ids = itertools.count()
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

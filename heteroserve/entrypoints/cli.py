@@ -1,0 +1,66 @@
+"""The `heteroserve` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from heteroserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+DEMO_QUESTION = "What is the capital of France?"
+
+
+def _chat(args: argparse.Namespace) -> None:
+    from heteroserve.entrypoints.llm import LLM
+    from heteroserve.sampling_params import SamplingParams
+
+    llm = LLM.from_config(engine_config_from_args(args.model, args))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    history: list[dict[str, str]] = []
+
+    def answer(question: str) -> None:
+        history.append({"role": "user", "content": question})
+        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+        history.append({"role": "assistant", "content": reply})
+        print(f"assistant> {reply}", flush=True)
+
+    questions = args.prompt or ([] if sys.stdin.isatty() else [line.strip() for line in sys.stdin if line.strip()])
+    if not questions and not sys.stdin.isatty():
+        questions = [DEMO_QUESTION]
+    if not questions:
+        print(f"user> {DEMO_QUESTION}")
+        answer(DEMO_QUESTION)
+        while True:
+            try:
+                question = input("user> ").strip()
+            except EOFError:
+                break
+            if question:
+                answer(question)
+        return
+    for question in questions:
+        print(f"user> {question}")
+        answer(question)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="heteroserve", description="LLM inference on any torch device")
+    commands = parser.add_subparsers(dest="command", required=True)
+    chat = commands.add_parser("chat", help="chat with a model in the terminal",
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    chat.add_argument("model", nargs="?", default=None, help="checkpoint folder, GGUF file or cached model id")
+    chat.add_argument("--prompt", action="append", help="ask this and exit (repeatable)")
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--max-tokens", type=int, default=256)
+    add_engine_args(chat)
+    chat.set_defaults(handler=_chat)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "chat" and args.max_model_len is None:
+        args.max_model_len = 4096
+    args.handler(args)
+
+
+if __name__ == "__main__":
+    main()

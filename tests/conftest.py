@@ -1,0 +1,51 @@
+"""Session-wide fixtures: the default model loaded once, and its transformers reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.reference import GreedyComparison, HFReference
+
+# Tests share 2 cores with the servers they start; keep threads bounded and polite.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+_comparisons = GreedyComparison()
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    from heteroserve.model.loader.source import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_path):
+    """Built by transformers from the GGUF metadata, independently of heteroserve's loader."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_path.parent, gguf_file=default_model_path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_default(default_model_path, default_tokenizer) -> HFReference:
+    """transformers' own GGUF loader and generate(): the independent reference for the default model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        default_model_path.parent, gguf_file=default_model_path.name, dtype=torch.float32
+    )
+    return HFReference(model.eval(), default_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def greedy_comparison() -> GreedyComparison:
+    return _comparisons
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _comparisons.sequences:
+        terminalreporter.write_line(_comparisons.summary())

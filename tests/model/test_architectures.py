@@ -1,0 +1,104 @@
+"""Our decoder against transformers on tiny random checkpoints of every supported architecture.
+
+Every scenario goes through the public `LLM` API and checks each request with `check_output`: prompt
+and per-step logprobs (full vocabulary) against transformers' log-softmaxed logits, within 1e-4 of the
+logit scale, and greedy tokens against `generate(do_sample=False)` up to a near-tie divergence.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from tests.model.tiny_models import SPECS, TinyModel, check_output, greedy_params, prompts, run, save_tiny
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def tiny(request, tmp_path_factory) -> TinyModel:
+    return save_tiny(request.param, tmp_path_factory.mktemp("tiny"), seed=list(SPECS).index(request.param))
+
+
+def _check_all(tiny, label, outputs, token_prompts, comparison, **kwargs) -> None:
+    assert len(outputs) == len(token_prompts)
+    for i, (output, prompt) in enumerate(zip(outputs, token_prompts, strict=True)):
+        check_output(f"{tiny.name}/{label}[{i}]", output, prompt, tiny.reference, comparison, **kwargs)
+
+
+def test_checkpoint_exercises_its_architecture(tiny):
+    """The tiny checkpoints really have what the comparisons are meant to cover."""
+    with safe_open(str(tiny.folder / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        tensors = {n: f.get_tensor(n) for n in names}
+    config = tiny.reference.model.config
+    assert ("lm_head.weight" in names) == (not config.tie_word_embeddings)
+    assert any("norm" in n and (t - 1).abs().max() > 0.1 for n, t in tensors.items())
+    if tiny.name == "qwen2":
+        biases = [t for n, t in tensors.items() if n.endswith("_proj.bias")]
+        assert len(biases) == 3 * config.num_hidden_layers and all(b.abs().max() > 0.1 for b in biases)
+    if tiny.name == "qwen3":
+        assert any(n.endswith("q_norm.weight") and (t - 1).abs().max() > 0.1 for n, t in tensors.items())
+        assert config.head_dim * config.num_attention_heads != config.hidden_size
+
+    # Where a config feature is the point (sliding window, llama3 rope), it changes transformers' logits.
+    changes = {
+        "mistral": {"sliding_window": None},
+        "llama3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    }.get(tiny.name)
+    if changes:
+        ids = prompts(99, [40], config.vocab_size)[0]
+        variant = AutoModelForCausalLM.from_pretrained(
+            tiny.folder, dtype=torch.float32, attn_implementation="eager", **changes
+        ).eval()
+        with torch.inference_mode():
+            other = variant(torch.tensor([ids])).logits[0]
+        base = tiny.reference.logits(ids)
+        assert (other - base).abs().max() > 0.1 * base.abs().max()
+
+
+def test_single_prompt(tiny, greedy_comparison):
+    token_prompts = prompts(1, [40], tiny.vocab_size)
+    outputs = run(tiny.llm(), token_prompts, greedy_params(tiny.vocab_size))
+    _check_all(tiny, "single", outputs, token_prompts, greedy_comparison)
+
+
+def test_batched_prompts_of_different_lengths(tiny, greedy_comparison):
+    token_prompts = prompts(2, [3, 17, 9, 41, 1], tiny.vocab_size)
+    outputs = run(tiny.llm(block_size=8), token_prompts, greedy_params(tiny.vocab_size))
+    _check_all(tiny, "batched", outputs, token_prompts, greedy_comparison)
+
+
+def test_chunked_prefill(tiny, greedy_comparison):
+    """An 8-token budget splits every prompt into chunks that attend to their cached prefix."""
+    token_prompts = prompts(3, [27, 12, 19], tiny.vocab_size)
+    llm = tiny.llm(block_size=4, max_num_batched_tokens=8)
+    outputs = run(llm, token_prompts, greedy_params(tiny.vocab_size))
+    _check_all(tiny, "chunked", outputs, token_prompts, greedy_comparison)
+
+
+def test_prefix_caching(tiny, greedy_comparison):
+    """Later requests sharing a 26-token prefix read its KV from the cache and still match."""
+    shared, tail_a, tail_b = prompts(4, [26, 5, 7], tiny.vocab_size)
+    first, second, again = shared + tail_a, shared + tail_b, shared + tail_a
+    llm = tiny.llm(block_size=4)
+    outputs = run(llm, [first], greedy_params(tiny.vocab_size))
+    assert outputs[0].num_cached_tokens == 0
+    _check_all(tiny, "prefix-first", outputs, [first], greedy_comparison)
+
+    # Prompt logprobs would bypass the prefix cache, so these requests ask for sample logprobs only.
+    later = run(llm, [second, again], greedy_params(tiny.vocab_size, prompt_logprobs=False))
+    assert later[0].num_cached_tokens == 24  # the 6 full 4-token blocks of the shared prefix
+    assert later[1].num_cached_tokens == 28  # all full blocks but the one holding the last prompt token
+    assert later[0].metrics.num_cached_tokens == 24
+    _check_all(tiny, "prefix-cached", later, [second, again], greedy_comparison, expect_prompt_logprobs=False)
+
+
+def test_preemption(tiny, greedy_comparison):
+    """Eight 8-token blocks cannot hold four ~40-token requests: some are preempted and recomputed."""
+    token_prompts = prompts(5, [20, 23, 26, 18], tiny.vocab_size)
+    llm = tiny.llm(block_size=8, num_kv_blocks=8, max_model_len=64)
+    outputs = run(llm, token_prompts, greedy_params(tiny.vocab_size))
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    assert llm.engine.stats().num_preemptions > 0
+    _check_all(tiny, "preempted", outputs, token_prompts, greedy_comparison)

@@ -1,0 +1,198 @@
+"""Tiny randomly initialised checkpoints of every supported architecture, and the checks run on them.
+
+Each model is built from a transformers config with a fixed seed, its weights re-drawn large enough that
+logits spread over several units (default init gives near-uniform logits, where any two engines agree),
+and saved as a float32 safetensors checkpoint without tokenizer (the engine then takes token ids only).
+The transformers model saved there is the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from heteroserve.entrypoints.llm import LLM
+from heteroserve.outputs import RequestOutput
+from heteroserve.sampling_params import SamplingParams
+from tests.reference import GreedyComparison, HFReference
+
+VOCAB = 320
+MAX_MODEL_LEN = 128
+NEW_TOKENS = 16
+LOGIT_RTOL = 1e-4  # max abs difference allowed, relative to the largest |logit| of the reference
+
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+    "dtype": "float32",
+}
+
+# name -> (model_type, config overrides). Each exercises what sets its architecture apart.
+SPECS: dict[str, tuple[str, dict]] = {
+    # Llama 3.1 rope scaling: with head_dim 16, theta 1e4 and original context 64, the rotary
+    # wavelengths fall in all three llama3 regimes (kept, interpolated, divided by the factor).
+    "llama3": (
+        "llama",
+        {
+            "tie_word_embeddings": False,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "llama_tied": ("llama", {"tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}),
+    # Prompts in the tests are longer than the 8-token window, so the window changes the logits.
+    "mistral": ("mistral", {"sliding_window": 8, "tie_word_embeddings": False}),
+    "qwen2": ("qwen2", {"tie_word_embeddings": False, "use_sliding_window": False}),
+    # head_dim 32 != hidden / heads, as in real Qwen3 checkpoints.
+    "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True, "use_sliding_window": False}),
+}
+
+
+def make_config(model_type: str, **overrides):
+    return AutoConfig.for_model(model_type, **{**COMMON, **overrides})
+
+
+@torch.no_grad()
+def randomize(model: PreTrainedModel, seed: int, std: float = 0.2) -> None:
+    """Weights with a fixed seed: matrices N(0, std), embeddings N(0, 0.5), norms N(1, 0.2), biases N(0, std)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():  # a tied lm_head appears once, as embed_tokens
+        noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+        if "embed_tokens" in name:
+            param.copy_(0.5 * noise)
+        elif param.ndim == 1 and name.endswith(".weight"):  # RMSNorm gains, q/k norms included
+            param.copy_(1.0 + 0.2 * noise)
+        else:  # projection matrices, lm_head, qkv biases
+            param.copy_(std * noise)
+
+
+def build_hf_model(model_type: str, overrides: dict, seed: int) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    config = make_config(model_type, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    randomize(model, seed)
+    return model.eval()
+
+
+def load_reference(folder: Path, **kwargs) -> HFReference:
+    """The transformers model read back from `folder` (eager attention), set never to stop at an eos."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager", **kwargs)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return HFReference(model.eval(), None)
+
+
+@dataclass
+class TinyModel:
+    name: str
+    folder: Path
+    reference: HFReference
+
+    @property
+    def vocab_size(self) -> int:
+        return self.reference.model.config.vocab_size
+
+    def llm(self, **kwargs) -> LLM:
+        kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
+        kwargs.setdefault("num_kv_blocks", 64)
+        return LLM(model=str(self.folder), dtype="float32", **kwargs)
+
+
+def save_tiny(name: str, root: Path, seed: int = 0) -> TinyModel:
+    model_type, overrides = SPECS[name]
+    model = build_hf_model(model_type, overrides, seed)
+    folder = root / name
+    model.save_pretrained(folder, safe_serialization=True)
+    return TinyModel(name, folder, load_reference(folder))
+
+
+def prompts(seed: int, lengths: list[int], vocab: int = VOCAB) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def greedy_params(vocab: int, prompt_logprobs: bool = True, max_tokens: int = NEW_TOKENS) -> SamplingParams:
+    """Greedy, with logprobs of the whole vocabulary (so they are full log-softmaxed logits)."""
+    return SamplingParams(
+        temperature=0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        logprobs=vocab,
+        prompt_logprobs=vocab if prompt_logprobs else None,
+    )
+
+
+def run(llm: LLM, token_prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+    return llm.generate([{"prompt_token_ids": p} for p in token_prompts], params, use_tqdm=False)
+
+
+def _dense(entry: dict, vocab: int) -> torch.Tensor:
+    assert len(entry) == vocab, f"expected logprobs of all {vocab} tokens, got {len(entry)}"
+    return torch.tensor([entry[t].logprob for t in range(vocab)], dtype=torch.float32)
+
+
+def check_output(
+    label: str,
+    output: RequestOutput,
+    prompt: list[int],
+    reference: HFReference,
+    comparison: GreedyComparison,
+    *,
+    expect_prompt_logprobs: bool = True,
+    max_tokens: int = NEW_TOKENS,
+) -> float:
+    """Checks one finished request against transformers; returns the largest relative logit error.
+
+    1. Logits: transformers runs prompt + our generated tokens in one forward pass; our prompt logprobs
+       and per-step logprobs must equal its log-softmax within LOGIT_RTOL * max|logits|.
+    2. Greedy tokens: equal to transformers' `generate(do_sample=False)` up to a near-tie divergence.
+    """
+    vocab = reference.model.config.vocab_size
+    completion = output.outputs[0]
+    ours = list(completion.token_ids)
+    assert output.prompt_token_ids == prompt
+    assert len(ours) == max_tokens, f"{label}: {len(ours)} tokens ({completion.finish_reason})"
+
+    ref_logits = reference.logits(prompt + ours[:-1])
+    scale = float(ref_logits.abs().max())
+    assert scale > 1.0, f"{label}: reference logits are too small ({scale}) for a meaningful comparison"
+    ref_lp = torch.log_softmax(ref_logits, dim=-1)
+    rows, mine = [], []
+    if expect_prompt_logprobs:
+        plp = output.prompt_logprobs
+        assert plp is not None and len(plp) == len(prompt) and plp[0] is None, f"{label}: bad prompt_logprobs"
+        for i in range(1, len(prompt)):
+            assert prompt[i] in plp[i]
+            rows.append(i - 1)
+            mine.append(_dense(plp[i], vocab))
+    assert completion.logprobs is not None and len(completion.logprobs) == len(ours)
+    for j, (token, entry) in enumerate(zip(ours, completion.logprobs, strict=True)):
+        dense = _dense(entry, vocab)
+        assert int(dense.argmax()) == token or float(dense.max() - dense[token]) == 0.0, f"{label}: not greedy"
+        rows.append(len(prompt) - 1 + j)
+        mine.append(dense)
+    error = float((torch.stack(mine) - ref_lp[rows]).abs().max())
+    assert error <= LOGIT_RTOL * scale, (
+        f"{label}: logprobs differ from transformers by {error:.3e} (tolerance {LOGIT_RTOL * scale:.3e})"
+    )
+    comparison.check(label, ours, reference.greedy(prompt, max_tokens))
+    return error / scale
