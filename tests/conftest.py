@@ -42,6 +42,14 @@ def hf_default(default_model_path, default_tokenizer) -> HFReference:
 
 
 @pytest.fixture(scope="session")
+def default_llm():
+    """The default model in the engine's default configuration, shared by the whole session."""
+    from heteroserve import LLM
+
+    return LLM(max_model_len=512, kv_cache_memory_bytes=128 * 1024**2)
+
+
+@pytest.fixture(scope="session")
 def greedy_comparison() -> GreedyComparison:
     return _comparisons
 

@@ -60,7 +60,9 @@ class BlockPool:
             out.append(block)
         return out
 
-    def lookup(self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: tuple[int, ...]) -> KVBlock | None:
+    def lookup(
+        self, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: tuple[int, ...]
+    ) -> KVBlock | None:
         block = self._cached.get(block_hash)
         if block is None or block.parent_hash != parent_hash or block.token_ids != token_ids:
             return None
@@ -86,7 +88,9 @@ class BlockPool:
                 else:
                     self._free[block.block_id] = block
 
-    def cache(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: tuple[int, ...]) -> None:
+    def cache(
+        self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash | None, token_ids: tuple[int, ...]
+    ) -> None:
         """Registers a full, in-use block for reuse; the first block with a given hash wins."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self._cached:
             return

@@ -49,8 +49,14 @@ class LLMEngine:
         tokens = self.runner.num_blocks * config.cache.block_size
         logger.info(
             "model %s on %s (%s): KV cache of %d blocks x %d tokens = %d tokens, %.1fx concurrency at max_model_len=%d",
-            self.model_name, self.platform.name, str(self.dtype).removeprefix("torch."), self.runner.num_blocks,
-            config.cache.block_size, tokens, tokens / self.max_model_len, self.max_model_len,
+            self.model_name,
+            self.platform.name,
+            str(self.dtype).removeprefix("torch."),
+            self.runner.num_blocks,
+            config.cache.block_size,
+            tokens,
+            tokens / self.max_model_len,
+            self.max_model_len,
         )
 
     def default_sampling_params(self) -> SamplingParams:
@@ -93,7 +99,14 @@ class LLMEngine:
         child_ids = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
-            child = Request(f"{i}_{request_id}", token_ids, params.clone(n=1, seed=seed), self.eos_token_id, priority, arrival)
+            child = Request(
+                f"{i}_{request_id}",
+                token_ids,
+                params.clone(n=1, seed=seed),
+                self.eos_token_id,
+                priority,
+                arrival,
+            )
             child.prefix_leader = leader
             leader = leader or child
             self._add(child, text, i, parent)

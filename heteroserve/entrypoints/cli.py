@@ -47,8 +47,11 @@ def _chat(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="heteroserve", description="LLM inference on any torch device")
     commands = parser.add_subparsers(dest="command", required=True)
-    chat = commands.add_parser("chat", help="chat with a model in the terminal",
-                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    chat = commands.add_parser(
+        "chat",
+        help="chat with a model in the terminal",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     chat.add_argument("model", nargs="?", default=None, help="checkpoint folder, GGUF file or cached model id")
     chat.add_argument("--prompt", action="append", help="ask this and exit (repeatable)")
     chat.add_argument("--temperature", type=float, default=0.0)

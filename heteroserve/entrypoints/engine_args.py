@@ -9,19 +9,31 @@ from heteroserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelCon
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="weights and activations dtype (auto: the checkpoint's, float32 where unsupported)")
+    group.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations dtype (auto: the checkpoint's, float32 where unsupported)",
+    )
     group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     group.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    group.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                       help="bytes for the KV block pool (CPU default: 2 GiB)")
+    group.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="bytes for the KV block pool (CPU default: 2 GiB)",
+    )
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    group.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
-                       help="auto: apply the checkpoint's generation_config.json defaults")
+    group.add_argument(
+        "--generation-config",
+        default="auto",
+        choices=["auto", "vllm"],
+        help="auto: apply the checkpoint's generation_config.json defaults",
+    )
     group.add_argument("--device", default="auto", help="auto, cpu, cuda, ... ($HETEROSERVE_DEVICE also works)")
     group.add_argument("--seed", type=int, default=0)
 
@@ -31,7 +43,10 @@ def engine_config_from_args(model: str | None, args: argparse.Namespace) -> Engi
         model=ModelConfig(model, args.dtype, args.max_model_len, args.seed, generation_config=args.generation_config),
         cache=CacheConfig(args.block_size, args.kv_cache_memory_bytes, args.enable_prefix_caching),
         scheduler=SchedulerConfig(
-            args.max_num_seqs, args.max_num_batched_tokens, args.enable_chunked_prefill, args.scheduling_policy
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            args.enable_chunked_prefill,
+            args.scheduling_policy,
         ),
         device=DeviceConfig(args.device),
     )

@@ -65,7 +65,9 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion with continuous batching; outputs come back in prompt order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -80,7 +82,10 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 request_id = str(next(self._ids))
                 self.engine.add_request(
-                    request_id, prompt, p.clone(output_kind=RequestOutputKind.FINAL_ONLY), priority[i] if priority else 0
+                    request_id,
+                    prompt,
+                    p.clone(output_kind=RequestOutputKind.FINAL_ONLY),
+                    priority[i] if priority else 0,
                 )
                 ids.append(request_id)
         except Exception:
@@ -105,7 +110,10 @@ class LLM:
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                conversation,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
             )
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)

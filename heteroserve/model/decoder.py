@@ -28,7 +28,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = _weight(self.q_size + 2 * self.kv_size, arch.hidden_size)
-        self.qkv_bias = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size), requires_grad=False) if arch.qkv_bias else None
+        self.qkv_bias = (
+            nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size), requires_grad=False) if arch.qkv_bias else None
+        )
         self.o_proj = _weight(arch.hidden_size, self.q_size)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None

@@ -34,15 +34,23 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.block_size = cache_config.block_size
         self.stop_ids = [loaded.eos_token_id] if loaded.eos_token_id is not None else []
-        self.num_blocks = cache_config.num_kv_blocks or platform.kv_cache_budget_bytes(
-            cache_config.kv_cache_memory_bytes
-        ) // self.bytes_per_block()
+        self.num_blocks = (
+            cache_config.num_kv_blocks
+            or platform.kv_cache_budget_bytes(cache_config.kv_cache_memory_bytes) // self.bytes_per_block()
+        )
         if self.num_blocks * self.block_size < loaded.max_model_len:
             raise ValueError(
                 f"the KV cache holds {self.num_blocks} blocks of {self.block_size} tokens, fewer than one "
                 f"request of max_model_len={loaded.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
             )
-        shape = (self.arch.num_layers, 2, self.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        shape = (
+            self.arch.num_layers,
+            2,
+            self.num_blocks,
+            self.block_size,
+            self.arch.num_kv_heads,
+            self.arch.head_dim,
+        )
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.sampler = Sampler()
         self._seeds = random.Random(seed)
@@ -72,7 +80,9 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             bs = self.block_size
             slots.extend(item.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
-        meta = build_attention_metadata(self.block_size, slots, decodes, prefills, self.arch.sliding_window, self.device)
+        meta = build_attention_metadata(
+            self.block_size, slots, decodes, prefills, self.arch.sliding_window, self.device
+        )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         kv = [(layer[0], layer[1]) for layer in self.kv_cache]
@@ -108,7 +118,9 @@ class ModelRunner:
             request = item.request
             targets = torch.tensor(request.token_ids[item.start + 1 : item.start + 1 + count], device=self.device)
             lp = torch.log_softmax(logits[first : first + count], dim=-1)
-            results[request.request_id].prompt_logprobs = logprobs_of(lp, targets, request.sampling_params.prompt_logprobs)
+            results[request.request_id].prompt_logprobs = logprobs_of(
+                lp, targets, request.sampling_params.prompt_logprobs
+            )
         return results
 
     def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
@@ -123,4 +135,3 @@ class ModelRunner:
                 self._generators[request.request_id] = generator
         stop_ids = params.stop_token_ids + ([] if params.ignore_eos else self.stop_ids)
         return SamplingRow(params, request.token_ids, request.num_prompt_tokens, stop_ids, generator)
-

@@ -30,7 +30,8 @@ def test_block_size_must_be_positive() -> None:
 
 
 @pytest.mark.parametrize(
-    ("block_size", "num_tokens", "blocks"), [(1, 1, 1), (1, 5, 5), (4, 1, 1), (4, 4, 1), (4, 5, 2), (16, 33, 3)]
+    ("block_size", "num_tokens", "blocks"),
+    [(1, 1, 1), (1, 5, 5), (4, 1, 1), (4, 4, 1), (4, 5, 2), (16, 33, 3)],
 )
 def test_blocks_needed_rounds_up(block_size: int, num_tokens: int, blocks: int) -> None:
     assert KVCacheManager(8, block_size).blocks_needed(num_tokens) == blocks

@@ -43,11 +43,6 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.fixture(scope="module")
-def default_llm() -> LLM:
-    return LLM(**ENGINE_KWARGS)
-
-
 def test_chat_answer_is_paris(default_llm):
     out = default_llm.chat(CHAT_PROMPTS[0], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)
     assert out[0].outputs[0].text == "The capital of France is Paris."

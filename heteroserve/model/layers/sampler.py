@@ -39,7 +39,12 @@ def logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list
     return [
         TokenLogprobs(int(t), float(c), int(r), ids, vals)
         for t, c, r, ids, vals in zip(
-            token_ids.tolist(), chosen[:, 0].tolist(), ranks.tolist(), top_ids.tolist(), top_vals.tolist(), strict=True
+            token_ids.tolist(),
+            chosen[:, 0].tolist(),
+            ranks.tolist(),
+            top_ids.tolist(),
+            top_vals.tolist(),
+            strict=True,
         )
     ]
 

@@ -92,7 +92,9 @@ def _generation_config(folder: Path) -> dict:
 def _load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
     """The folder's tokenizer, or one built from GGUF metadata (cached, since building takes seconds)."""
     if source.gguf_file is None:
-        if not any((source.folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        if not any(
+            (source.folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        ):
             logger.warning("%s has no tokenizer; prompts must be token ids", source.folder)
             return None
         return AutoTokenizer.from_pretrained(source.folder)

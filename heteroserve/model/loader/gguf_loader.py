@@ -68,7 +68,10 @@ def gguf_config(reader: GGUFReader) -> PretrainedConfig:
         "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // num_heads),
         "max_position_embeddings": _field(reader, f"{arch}.context_length", 4096),
         "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_parameters": {"rope_type": "default", "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0)},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
+        },
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),

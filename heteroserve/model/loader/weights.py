@@ -37,25 +37,40 @@ def load_weights(model: DecoderModel, tensors: Iterable[tuple[str, torch.Tensor]
         attn = layer.self_attn
         put(layer.input_layernorm.weight, take(p + "input_layernorm.weight", (h,)))
         put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight", (h,)))
-        put(attn.qkv_proj, torch.cat([
-            take(p + "self_attn.q_proj.weight", (q_rows, h)),
-            take(p + "self_attn.k_proj.weight", (kv_rows, h)),
-            take(p + "self_attn.v_proj.weight", (kv_rows, h)),
-        ]))
+        put(
+            attn.qkv_proj,
+            torch.cat(
+                [
+                    take(p + "self_attn.q_proj.weight", (q_rows, h)),
+                    take(p + "self_attn.k_proj.weight", (kv_rows, h)),
+                    take(p + "self_attn.v_proj.weight", (kv_rows, h)),
+                ]
+            ),
+        )
         if attn.qkv_bias is not None:
-            put(attn.qkv_bias, torch.cat([
-                take(p + "self_attn.q_proj.bias", (q_rows,)),
-                take(p + "self_attn.k_proj.bias", (kv_rows,)),
-                take(p + "self_attn.v_proj.bias", (kv_rows,)),
-            ]))
+            put(
+                attn.qkv_bias,
+                torch.cat(
+                    [
+                        take(p + "self_attn.q_proj.bias", (q_rows,)),
+                        take(p + "self_attn.k_proj.bias", (kv_rows,)),
+                        take(p + "self_attn.v_proj.bias", (kv_rows,)),
+                    ]
+                ),
+            )
         if attn.q_norm is not None:
             put(attn.q_norm.weight, take(p + "self_attn.q_norm.weight", (d,)))
             put(attn.k_norm.weight, take(p + "self_attn.k_norm.weight", (d,)))
         put(attn.o_proj, take(p + "self_attn.o_proj.weight", (h, q_rows)))
-        put(layer.gate_up_proj, torch.cat([
-            take(p + "mlp.gate_proj.weight", (inter, h)),
-            take(p + "mlp.up_proj.weight", (inter, h)),
-        ]))
+        put(
+            layer.gate_up_proj,
+            torch.cat(
+                [
+                    take(p + "mlp.gate_proj.weight", (inter, h)),
+                    take(p + "mlp.up_proj.weight", (inter, h)),
+                ]
+            ),
+        )
         put(layer.down_proj, take(p + "mlp.down_proj.weight", (h, inter)))
     unused = [name for name in found if "rotary_emb" not in name]
     if unused:
