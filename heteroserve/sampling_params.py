@@ -84,5 +84,5 @@ class SamplingParams:
         params = copy.copy(self)
         for key, value in changes.items():
             setattr(params, key, value)
-        params.stop_token_ids = list(self.stop_token_ids)
+        params.__post_init__()  # re-normalises (new stop_strings, stop_token_ids lists) and validates
         return params

@@ -41,17 +41,23 @@ class IncrementalDetokenizer:
         piece = self.stream.step(self.tokenizer, token_id)
         if not piece or self.stopped_by is not None:
             return self.stopped_by is not None
-        search_from = max(0, len(self.text) - self.holdback)
+        old_len = len(self.text)
         self.text += piece
         if not check_stop:
             return False
-        for stop in self.stop_strings:
-            index = self.text.find(stop, search_from)
-            if index != -1:
-                self.stopped_by = stop
-                self.text = self.text[: index + len(stop)] if self.include_stop else self.text[:index]
-                return True
-        return False
+        # Only stop strings ending in the new piece count (not one that ended in a piece added before
+        # min_tokens); the one that completes first wins, as it would if the text came one char at a time.
+        found = [
+            (i + len(s), i, s)
+            for s in self.stop_strings
+            if (i := self.text.find(s, max(0, old_len - len(s) + 1))) != -1
+        ]
+        if not found:
+            return False
+        _, index, stop = min(found)
+        self.stopped_by = stop
+        self.text = self.text[: index + len(stop)] if self.include_stop else self.text[:index]
+        return True
 
     def new_text(self, finished: bool) -> str:
         """Text not yet reported, minus what could still turn out to be the start of a stop string."""

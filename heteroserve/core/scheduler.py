@@ -100,7 +100,8 @@ class Scheduler:
                 scheduled[request.request_id] = ScheduledRequest(request, num_new, [])
                 budget -= num_new
 
-        while self.waiting and budget > 0 and not preempted:
+        running_preempted = bool(preempted)  # blocks ran short for running requests: admit no one new
+        while self.waiting and budget > 0 and not running_preempted:
             request = self.waiting.peek()
             if self._waits_for_leader(request):
                 break

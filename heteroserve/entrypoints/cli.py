@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from heteroserve.bench.commands import add_bench_parser
 from heteroserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 
 DEMO_QUESTION = "What is the capital of France?"
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     chat.add_argument("--max-tokens", type=int, default=256)
     add_engine_args(chat)
     chat.set_defaults(handler=_chat)
+    add_bench_parser(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "chat" and args.max_model_len is None:

@@ -1,0 +1,154 @@
+"""`heteroserve bench throughput|latency`: our engine and the transformers peer on the same prompts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from heteroserve.bench.engine_runs import run_batch, single_stream
+from heteroserve.bench.machine import describe_machine
+from heteroserve.bench.workload import fingerprint, random_requests, scenario_requests
+from heteroserve.engine.llm_engine import LLMEngine
+from heteroserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+PEERS = ("hf",)
+
+
+def add_bench_parser(commands) -> None:
+    bench = commands.add_parser("bench", help="benchmark heteroserve against peers on the shared workload")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    for name, handler in (("throughput", _throughput), ("latency", _latency)):
+        sub = kinds.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        sub.add_argument("model", nargs="?", default=None)
+        sub.add_argument("--peer", action="append", default=[], help=f"also run a peer: {', '.join(PEERS)}")
+        sub.add_argument("--output-json", type=Path, default=None)
+        sub.add_argument("--dataset", default="workload", help="workload (WORKLOAD.md prompts) or random")
+        sub.add_argument("--seed-dataset", type=int, default=0, help="seed of the random dataset")
+        add_engine_args(sub)
+        sub.set_defaults(handler=handler)
+        if name == "throughput":
+            sub.add_argument("--scenario", choices=["B", "D"], default="B")
+            sub.add_argument("--num-requests", type=int, default=64)
+            sub.add_argument("--input-len", type=int, default=128)
+            sub.add_argument("--output-len", type=int, default=128)
+            sub.add_argument("--hf-batch", default="1,8,64", help="transformers static batch sizes to run")
+            sub.add_argument("--hf-requests", type=int, default=None,
+                             help="run transformers batch size 1 on this many requests and scale (cost is linear)")
+        else:
+            sub.add_argument("--input-len", type=int, default=32)
+            sub.add_argument("--output-len", type=int, default=128)
+            sub.add_argument("--repeats", type=int, default=3)
+
+
+def _engine(args: argparse.Namespace) -> LLMEngine:
+    for peer in args.peer:
+        if peer not in PEERS:
+            raise SystemExit(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
+    if args.max_model_len is None:
+        args.max_model_len = 2048
+    return LLMEngine(engine_config_from_args(args.model, args))
+
+
+def _requests(engine: LLMEngine, args, scenario: str, num: int):
+    if args.input_len >= engine.max_model_len:
+        raise SystemExit(f"--input-len {args.input_len} does not fit max_model_len={engine.max_model_len}")
+    if args.dataset == "random":
+        return random_requests(engine.runner.arch.vocab_size, num, args.input_len, args.output_len, args.seed_dataset)
+    if args.dataset != "workload":
+        raise SystemExit(f"unknown dataset {args.dataset!r}: use workload or random")
+    encode = engine.tokenizer.encode
+    return scenario_requests(encode, scenario, num, args.input_len, args.output_len)
+
+
+def _hf_peer(engine: LLMEngine):
+    from heteroserve.bench.hf_peer import HFPeer
+    from heteroserve.model.loader.source import resolve_model
+
+    return HFPeer(resolve_model(engine.config.model.model), engine.dtype)
+
+
+def _report(args, result: dict) -> None:
+    result["machine"] = describe_machine(result.pop("_platform"))
+    result["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    if args.output_json:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.output_json}")
+
+
+def _match_rate(ours: list[list[int]], theirs: list[list[int]]) -> float:
+    """Fraction of requests whose greedy tokens equal the peer's exactly."""
+    return sum(a == b for a, b in zip(ours, theirs, strict=False)) / max(len(theirs), 1)
+
+
+def _throughput(args) -> None:
+    engine = _engine(args)
+    requests = _requests(engine, args, args.scenario, args.num_requests)
+    run = run_batch(engine, requests)
+    result = {
+        "command": "throughput",
+        "scenario": args.scenario,
+        "num_requests": len(requests),
+        "prompt_fingerprint": fingerprint([p for p, _ in requests]),
+        "heteroserve": {
+            "wall_s": run.wall_s,
+            "requests_per_s": len(requests) / run.wall_s,
+            "output_tokens": run.output_tokens,
+            "output_tokens_per_s": run.output_tokens / run.wall_s,
+            "total_tokens_per_s": (run.output_tokens + run.prompt_tokens) / run.wall_s,
+            "peak_kv_blocks": run.peak_kv_blocks,
+            "kv_blocks_needed": run.kv_blocks_needed,
+            "kv_blocks_allocated": run.kv_blocks_allocated,
+            "peak_rss_mib": run.peak_rss_mib,
+            "steps": run.num_steps,
+            "preemptions": run.num_preemptions,
+            "dtype": str(engine.dtype).removeprefix("torch."),
+        },
+        "peers": {},
+        "_platform": engine.platform,
+    }
+    print(f"heteroserve: {run.wall_s:.1f} s, {run.output_tokens / run.wall_s:.1f} output tok/s, "
+          f"peak KV blocks {run.peak_kv_blocks} (needed {run.kv_blocks_needed}, allocated {run.kv_blocks_allocated})")
+    if "hf" in args.peer:
+        peer = _hf_peer(engine)
+        for batch in (int(b) for b in args.hf_batch.split(",") if b):
+            subset = requests
+            if batch == 1 and args.hf_requests:
+                subset = requests[: args.hf_requests]
+            peer_run = peer.run_batches(subset, batch)
+            scale = len(requests) / len(subset)
+            wall = peer_run.wall_s * scale
+            tps = peer_run.output_tokens / peer_run.wall_s
+            label = f"hf_static_{batch}" if batch > 1 else "hf_one_at_a_time"
+            result["peers"][label] = {
+                "wall_s": wall,
+                "measured_requests": len(subset),
+                "scaled": scale != 1,
+                "output_tokens_per_s": tps,
+                "heteroserve_ratio": (run.output_tokens / run.wall_s) / tps,
+                "greedy_match_rate": _match_rate(run.outputs, peer_run.outputs),
+            }
+            note = f" (measured on {len(subset)} requests, scaled)" if scale != 1 else ""
+            print(f"{label}: {wall:.1f} s{note}, {tps:.1f} output tok/s -> heteroserve is "
+                  f"{result['peers'][label]['heteroserve_ratio']:.2f}x; identical greedy outputs "
+                  f"{_match_rate(run.outputs, peer_run.outputs):.0%}")
+    _report(args, result)
+
+
+def _latency(args) -> None:
+    engine = _engine(args)
+    prompt = _requests(engine, args, "A", 1)[0][0]
+    ours = single_stream(engine, prompt, args.output_len, args.repeats)
+    result = {"command": "latency", "input_len": len(prompt), "output_len": args.output_len, "heteroserve": ours,
+              "peers": {}, "_platform": engine.platform}
+    print(f"heteroserve: prefill {ours['prefill_ms']:.1f} ms, decode {ours['decode_tokens_per_s']:.1f} tok/s")
+    if "hf" in args.peer:
+        theirs = _hf_peer(engine).single_stream(prompt, args.output_len, args.repeats)
+        theirs["decode_ratio"] = ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
+        theirs["prefill_ratio"] = theirs["prefill_ms"] / ours["prefill_ms"]
+        result["peers"]["hf"] = theirs
+        print(f"hf: prefill {theirs['prefill_ms']:.1f} ms, decode {theirs['decode_tokens_per_s']:.1f} tok/s -> "
+              f"heteroserve decode {theirs['decode_ratio']:.2f}x, prefill {theirs['prefill_ratio']:.2f}x faster")
+    _report(args, result)

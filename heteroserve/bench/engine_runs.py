@@ -1,0 +1,91 @@
+"""heteroserve's own measurements: a batch of requests at once, and a single stream."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+
+from heteroserve.engine.llm_engine import LLMEngine
+from heteroserve.sampling_params import RequestOutputKind, SamplingParams
+
+Requests = list[tuple[list[int], int]]
+
+
+@dataclass
+class BatchRun:
+    wall_s: float
+    output_tokens: int
+    prompt_tokens: int
+    outputs: list[list[int]]
+    peak_kv_blocks: int
+    kv_blocks_allocated: int
+    kv_blocks_needed: int  # sum over requests of ceil(tokens with KV / block_size)
+    peak_rss_mib: float
+    num_steps: int
+    num_preemptions: int
+
+
+def run_batch(engine: LLMEngine, requests: Requests) -> BatchRun:
+    """All requests submitted at once, greedy with EOS ignored, stepped until every one finishes."""
+    pool = engine.scheduler.kv_cache.pool
+    block = engine.config.cache.block_size
+    preemptions_before = engine.scheduler.num_preemptions
+    start = time.perf_counter()
+    for i, (prompt, max_tokens) in enumerate(requests):
+        params = SamplingParams(
+            temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)
+    outputs: dict[str, list[int]] = {}
+    peak, steps = 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+        peak = max(peak, pool.num_used_blocks)
+        steps += 1
+    wall = time.perf_counter() - start
+    ordered = [outputs[f"bench-{i}"] for i in range(len(requests))]
+    # The last sampled token never gets KV, so a request holds ceil((P + G - 1) / block) blocks at most.
+    needed = sum(-(-(len(p) + g - 1) // block) for p, g in requests)
+    return BatchRun(
+        wall_s=wall,
+        output_tokens=sum(len(o) for o in ordered),
+        prompt_tokens=sum(len(p) for p, _ in requests),
+        outputs=ordered,
+        peak_kv_blocks=peak,
+        kv_blocks_allocated=pool.num_blocks,
+        kv_blocks_needed=needed,
+        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        num_steps=steps,
+        num_preemptions=engine.scheduler.num_preemptions - preemptions_before,
+    )
+
+
+def single_stream(engine: LLMEngine, prompt: list[int], output_len: int, repeats: int) -> dict[str, object]:
+    """Time to first token and decode rate of one request, medians over `repeats` after a warm-up."""
+    prefill, decode, inter_token = [], [], []
+    for run in range(repeats + 1):
+        params = SamplingParams(
+            temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
+        start = time.perf_counter()
+        engine.add_request(f"latency-{run}", {"prompt_token_ids": prompt}, params)
+        stamps = []
+        while engine.has_unfinished_requests():
+            if engine.step():
+                stamps.append(time.perf_counter())
+        if run == 0:
+            continue  # warm-up
+        prefill.append(stamps[0] - start)
+        decode.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+        inter_token += [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    inter_token.sort()
+    return {
+        "prefill_ms": 1000 * statistics.median(prefill),
+        "decode_tokens_per_s": statistics.median(decode),
+        "inter_token_ms": {
+            f"p{q}": 1000 * inter_token[min(len(inter_token) - 1, int(q / 100 * len(inter_token)))] for q in (50, 90, 99)
+        },
+    }
