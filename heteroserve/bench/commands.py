@@ -34,8 +34,12 @@ def add_bench_parser(commands) -> None:
             sub.add_argument("--input-len", type=int, default=128)
             sub.add_argument("--output-len", type=int, default=128)
             sub.add_argument("--hf-batch", default="1,8,64", help="transformers static batch sizes to run")
-            sub.add_argument("--hf-requests", type=int, default=None,
-                             help="run transformers batch size 1 on this many requests and scale (cost is linear)")
+            sub.add_argument(
+                "--hf-requests",
+                type=int,
+                default=None,
+                help="run transformers batch size 1 on this many requests and scale (cost is linear)",
+            )
         else:
             sub.add_argument("--input-len", type=int, default=32)
             sub.add_argument("--output-len", type=int, default=128)
@@ -109,8 +113,10 @@ def _throughput(args) -> None:
         "peers": {},
         "_platform": engine.platform,
     }
-    print(f"heteroserve: {run.wall_s:.1f} s, {run.output_tokens / run.wall_s:.1f} output tok/s, "
-          f"peak KV blocks {run.peak_kv_blocks} (needed {run.kv_blocks_needed}, allocated {run.kv_blocks_allocated})")
+    print(
+        f"heteroserve: {run.wall_s:.1f} s, {run.output_tokens / run.wall_s:.1f} output tok/s, "
+        f"peak KV blocks {run.peak_kv_blocks} (needed {run.kv_blocks_needed}, allocated {run.kv_blocks_allocated})"
+    )
     if "hf" in args.peer:
         peer = _hf_peer(engine)
         for batch in (int(b) for b in args.hf_batch.split(",") if b):
@@ -131,9 +137,11 @@ def _throughput(args) -> None:
                 "greedy_match_rate": _match_rate(run.outputs, peer_run.outputs),
             }
             note = f" (measured on {len(subset)} requests, scaled)" if scale != 1 else ""
-            print(f"{label}: {wall:.1f} s{note}, {tps:.1f} output tok/s -> heteroserve is "
-                  f"{result['peers'][label]['heteroserve_ratio']:.2f}x; identical greedy outputs "
-                  f"{_match_rate(run.outputs, peer_run.outputs):.0%}")
+            print(
+                f"{label}: {wall:.1f} s{note}, {tps:.1f} output tok/s -> heteroserve is "
+                f"{result['peers'][label]['heteroserve_ratio']:.2f}x; identical greedy outputs "
+                f"{_match_rate(run.outputs, peer_run.outputs):.0%}"
+            )
     _report(args, result)
 
 
@@ -141,14 +149,22 @@ def _latency(args) -> None:
     engine = _engine(args)
     prompt = _requests(engine, args, "A", 1)[0][0]
     ours = single_stream(engine, prompt, args.output_len, args.repeats)
-    result = {"command": "latency", "input_len": len(prompt), "output_len": args.output_len, "heteroserve": ours,
-              "peers": {}, "_platform": engine.platform}
+    result = {
+        "command": "latency",
+        "input_len": len(prompt),
+        "output_len": args.output_len,
+        "heteroserve": ours,
+        "peers": {},
+        "_platform": engine.platform,
+    }
     print(f"heteroserve: prefill {ours['prefill_ms']:.1f} ms, decode {ours['decode_tokens_per_s']:.1f} tok/s")
     if "hf" in args.peer:
         theirs = _hf_peer(engine).single_stream(prompt, args.output_len, args.repeats)
         theirs["decode_ratio"] = ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
         theirs["prefill_ratio"] = theirs["prefill_ms"] / ours["prefill_ms"]
         result["peers"]["hf"] = theirs
-        print(f"hf: prefill {theirs['prefill_ms']:.1f} ms, decode {theirs['decode_tokens_per_s']:.1f} tok/s -> "
-              f"heteroserve decode {theirs['decode_ratio']:.2f}x, prefill {theirs['prefill_ratio']:.2f}x faster")
+        print(
+            f"hf: prefill {theirs['prefill_ms']:.1f} ms, decode {theirs['decode_tokens_per_s']:.1f} tok/s -> "
+            f"heteroserve decode {theirs['decode_ratio']:.2f}x, prefill {theirs['prefill_ratio']:.2f}x faster"
+        )
     _report(args, result)

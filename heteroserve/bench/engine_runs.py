@@ -86,6 +86,7 @@ def single_stream(engine: LLMEngine, prompt: list[int], output_len: int, repeats
         "prefill_ms": 1000 * statistics.median(prefill),
         "decode_tokens_per_s": statistics.median(decode),
         "inter_token_ms": {
-            f"p{q}": 1000 * inter_token[min(len(inter_token) - 1, int(q / 100 * len(inter_token)))] for q in (50, 90, 99)
+            f"p{q}": 1000 * inter_token[min(len(inter_token) - 1, int(q / 100 * len(inter_token)))]
+            for q in (50, 90, 99)
         },
     }

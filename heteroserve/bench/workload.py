@@ -44,15 +44,25 @@ def fingerprint(prompts: list[list[int]]) -> str:
     return digest.hexdigest()[:16]
 
 
-def scenario_requests(encode: Encode, scenario: str, num_requests: int, prompt_len: int, output_len: int,
-                      ) -> list[tuple[list[int], int]]:
+def scenario_requests(
+    encode: Encode,
+    scenario: str,
+    num_requests: int,
+    prompt_len: int,
+    output_len: int,
+) -> list[tuple[list[int], int]]:
     """(prompt ids, max_tokens) per request. Scenario D: P = 32 + (37 i mod 353), G = 16 + (53 i mod 241)."""
     if scenario == "D":
         return [(prompt_ids(encode, i, 32 + (37 * i) % 353), 16 + (53 * i) % 241) for i in range(num_requests)]
     return [(prompt_ids(encode, i, prompt_len), output_len) for i in range(num_requests)]
 
 
-def random_requests(vocab_size: int, num_requests: int, prompt_len: int, output_len: int, seed: int,
-                    ) -> list[tuple[list[int], int]]:
+def random_requests(
+    vocab_size: int,
+    num_requests: int,
+    prompt_len: int,
+    output_len: int,
+    seed: int,
+) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [([rng.randrange(vocab_size) for _ in range(prompt_len)], output_len) for _ in range(num_requests)]

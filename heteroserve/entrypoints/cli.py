@@ -8,6 +8,7 @@ import sys
 
 from heteroserve.bench.commands import add_bench_parser
 from heteroserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from heteroserve.entrypoints.openai.api_server import add_server_args
 
 DEMO_QUESTION = "What is the capital of France?"
 
@@ -45,6 +46,12 @@ def _chat(args: argparse.Namespace) -> None:
         answer(question)
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from heteroserve.entrypoints.openai.api_server import run_server
+
+    run_server(args)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="heteroserve", description="LLM inference on any torch device")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -60,6 +67,11 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(chat)
     chat.set_defaults(handler=_chat)
     add_bench_parser(commands)
+    serve = commands.add_parser(
+        "serve", help="OpenAI-compatible server", formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    add_server_args(serve)
+    serve.set_defaults(handler=_serve)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "chat" and args.max_model_len is None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from heteroserve.core.detokenizer import IncrementalDetokenizer
 
@@ -98,6 +99,22 @@ def test_first_output_token_keeps_its_leading_space(tokenizer) -> None:
     streamed = stream(tokenizer, ids)
     assert streamed.deltas[0] == " Hello"
     assert streamed.text == " Hello world"
+
+
+def test_prompt_primes_the_spacing_of_a_sentencepiece_style_tokenizer() -> None:
+    # Metaspace decoding drops the leading space of the first token of a text: a continuation must keep it.
+    vocab = {"\u2581Say": 0, "\u2581Hello": 1, "\u2581world": 2, "[UNK]": 3}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    assert tokenizer.decode([1, 2]) == "Hello world"
+
+    detokenizer = IncrementalDetokenizer(tokenizer, [0], [])
+    for token_id in (1, 2):
+        detokenizer.add_token(token_id)
+
+    assert detokenizer.new_text(finished=True) == " Hello world"
+    assert tokenizer.decode([0, 1, 2]) == "Say" + detokenizer.text
 
 
 def test_without_stop_strings_nothing_is_held_back(tokenizer) -> None:

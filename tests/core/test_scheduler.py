@@ -629,6 +629,20 @@ def test_urgent_arrival_and_kv_blocks(policy: str) -> None:
     assert b.output_token_ids == run_alone(range(20, 28), max_model_len=16, max_tokens=2)
 
 
+def test_a_preempted_request_gives_back_its_share_of_the_budget() -> None:
+    sim = Sim(policy="priority", num_blocks=4, block_size=4, max_model_len=16, max_num_batched_tokens=16)
+    a = sim.add("a", range(3, 15), priority=1, max_tokens=4)
+    sim.step()
+    sim.add("b", range(20, 36), priority=0, max_tokens=1)  # 16 tokens: all 4 blocks and the whole budget
+
+    output = sim.step()  # a is scheduled for 1 token, then preempted: b gets the full budget back
+
+    assert output.preempted == ["a"]
+    assert output.chunks == [("b", 0, 16)]
+    sim.run()
+    assert a.output_token_ids == run_alone(range(3, 15), max_model_len=16, max_tokens=4)
+
+
 def test_equal_priority_does_not_preempt() -> None:
     sim = Sim(policy="priority", max_num_seqs=1)
     sim.add("a", [3, 4, 5], priority=1, max_tokens=4)

@@ -1,0 +1,165 @@
+"""The server's engine loop: `LLMEngine` stepped in a background thread, outputs fed to asyncio queues.
+
+A thread rather than a process: torch releases the GIL inside its kernels, so the event loop stays
+responsive while a step runs (see docs/ARCHITECTURE.md for the measurement), and one process keeps a
+single copy of the weights. The loop steps while there is work and sleeps on an event when idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from heteroserve.config import EngineConfig
+from heteroserve.engine.llm_engine import LLMEngine, PromptInput
+from heteroserve.outputs import RequestOutput
+from heteroserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; every request in flight gets this error."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptInput
+    params: SamplingParams
+    priority: int
+    accepted: asyncio.Future
+    outputs: asyncio.Queue
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self.dead_error: BaseException | None = None
+        self.num_steps = 0
+        self._thread = threading.Thread(target=self._run, name="heteroserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        return cls(LLMEngine(config))
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.dead_error is None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._streams)
+
+    async def generate(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Queues a request and yields its outputs; a bad request raises ValueError before the first yield.
+
+        Closing the iterator early (a client that went away) aborts the request and frees its blocks.
+        """
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine loop is not running: {self.dead_error!r}")
+        loop = asyncio.get_running_loop()
+        accepted, outputs = loop.create_future(), asyncio.Queue()
+        self._send(_Add(request_id, prompt, params, priority, accepted, outputs))
+        await accepted  # raises the engine's ValueError for bad input
+        finished = False
+        try:
+            while not finished:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(_Abort(request_id))
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _send(self, message: _Add | _Abort) -> None:
+        self._inbox.put(message)
+        self._wake.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self.num_steps += 1
+                for output in outputs:
+                    self._deliver(output.request_id, output, output.finished)
+        except BaseException as exc:  # noqa: BLE001 - any failure must reach every waiting client
+            logger.exception("engine loop failed")
+            self.dead_error = exc
+            error = EngineDeadError(f"the engine failed: {exc!r}")
+            for request_id in list(self._streams):
+                self._deliver(request_id, error, True)
+            self._fail_inbox(error)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, _Abort):
+                self.engine.abort_request(message.request_id)
+                continue
+            loop = message.accepted.get_loop()
+            try:
+                self.engine.add_request(message.request_id, message.prompt, message.params, message.priority)
+            except ValueError as exc:
+                loop.call_soon_threadsafe(_settle, message.accepted, exc)
+                continue
+            self._streams[message.request_id] = (loop, message.outputs)
+            loop.call_soon_threadsafe(_settle, message.accepted, None)
+
+    def _fail_inbox(self, error: BaseException) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, _Add):
+                message.accepted.get_loop().call_soon_threadsafe(_settle, message.accepted, error)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException, last: bool) -> None:
+        target = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        if target is not None:
+            loop, outputs = target
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -1,0 +1,273 @@
+"""The OpenAI-compatible server: `heteroserve serve` or `python -m heteroserve.entrypoints.openai.api_server`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import uuid
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import heteroserve
+from heteroserve.engine.async_engine import AsyncLLMEngine
+from heteroserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from heteroserve.entrypoints.openai.errors import APIError
+from heteroserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    now,
+)
+from heteroserve.entrypoints.openai.serving import ServerSettings
+from heteroserve.entrypoints.openai.serving_chat import ServingChat
+from heteroserve.entrypoints.openai.serving_completion import ServingCompletion
+from heteroserve.metrics.prometheus import ServerMetrics
+from heteroserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("heteroserve.server")
+_KEYED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+class ServerState:
+    """Readiness and in-flight accounting, shared by the routes and the SIGTERM drain."""
+
+    def __init__(self) -> None:
+        self.ready = False
+        self.draining = False
+        self.in_flight = 0
+
+
+def build_app(
+    engine: AsyncLLMEngine,
+    settings: ServerSettings,
+    api_key: str | None = None,
+    allowed_origins: list[str] | None = None,
+    log_requests: bool = False,
+) -> FastAPI:
+    app = FastAPI(title="heteroserve", version=heteroserve.__version__)
+    state = ServerState()
+    app.state.server = state
+    app.state.engine = engine
+    metrics = ServerMetrics(engine.engine, settings.served_model_names[0])
+    completions = ServingCompletion(engine, settings, metrics)
+    chats = ServingChat(engine, settings, metrics)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])
+
+    @app.middleware("http")
+    async def gate(request: Request, call_next):
+        path = request.url.path
+        guarded = path.startswith(_KEYED_PREFIXES)
+        if guarded and api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            return APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')").response()
+        if not guarded:
+            return await call_next(request)
+        if state.draining:
+            return APIError(503, "the server is shutting down").response()
+        if not engine.is_alive:
+            return APIError(500, f"the engine has failed: {engine.dead_error!r}").response()
+        state.in_flight += 1
+        try:
+            return await call_next(request)
+        finally:
+            state.in_flight -= 1
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        location = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(location) or None
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message, param = f"the request body is not valid JSON: {message}", None
+        elif param:
+            message = f"{param}: {message}"
+        return APIError(400, message, param).response()
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_alive:
+            return APIError(503, f"the engine loop is not running: {engine.dead_error!r}").response()
+        return Response(status_code=200)
+
+    @app.get("/health/ready")
+    async def ready():
+        if state.draining or not state.ready or not engine.is_alive:
+            reason = "draining" if state.draining else "loading" if not state.ready else "engine failed"
+            return JSONResponse({"status": reason}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        return {"version": heteroserve.__version__}
+
+    @app.get("/v1/models")
+    async def models():
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": now(),
+                "owned_by": "heteroserve",
+                "max_model_len": engine.engine.max_model_len,
+            }
+            for name in settings.served_model_names
+        ]
+        return {"object": "list", "data": cards}
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest):
+        if log_requests:
+            logger.info("completion request: %s", body.model_dump_json())
+        return await completions.create(body)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest):
+        if log_requests:
+            logger.info("chat request: %s", body.model_dump_json())
+        return await chats.create(body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        completions.check_model(body.model)
+        if chats.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        if body.messages is not None:
+            chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+            _, tokens = chats.render(chat)
+        elif body.prompt is not None:
+            tokens = chats.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise APIError(400, "give either prompt or messages", "prompt")
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        completions.check_model(body.model)
+        vocab = engine.engine.runner.arch.vocab_size
+        if chats.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
+        return {"prompt": chats.tokenizer.decode(body.tokens)}
+
+    @app.on_event("startup")
+    async def warm_up():
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        async for _ in engine.generate(f"warmup-{uuid.uuid4().hex}", {"prompt_token_ids": [1, 2, 3]}, params):
+            pass
+        state.ready = True
+        logger.info("ready: serving %s", ", ".join(settings.served_model_names))
+
+    return app
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT: readiness turns 503 and new requests are refused, in-flight ones finish
+    (bounded by the drain timeout), then uvicorn shuts down and the process exits 0."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._drain_task is not None:  # a second signal: stop now
+            super().handle_exit(sig, frame)
+            return
+        logger.info("received %s: draining", signal.Signals(sig).name)
+        self.state.draining = True
+        self._drain_task = asyncio.get_event_loop().create_task(self._drain(sig, frame))
+
+    async def _drain(self, sig: int, frame) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_timeout
+        while self.state.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        super().handle_exit(sig, frame)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="heteroserve serve",
+        description="OpenAI-compatible LLM server",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_server_args(parser)
+    return parser
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, help="model (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--model", default=None, help="same as the positional MODEL")
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="0.0.0.0")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--served-model-name", nargs="+", default=None, help="names clients use (default: the model)")
+    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    group.add_argument("--chat-template", default=None, help="a Jinja chat template (file path or inline)")
+    group.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins, e.g. '*'")
+    group.add_argument("--max-waiting-requests", type=int, default=None, help="answer 429 beyond this many waiting")
+    group.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is abandoned")
+    group.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
+    group.add_argument("--enable-log-requests", action="store_true", help="log request bodies (prompts included)")
+    group.add_argument("--uvicorn-log-level", default="info")
+    group.add_argument("--quantization", default=None, help="weight quantization (none yet: GGUF is dequantised)")
+    group.add_argument("--tensor-parallel-size", type=int, default=1)
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="fraction of device memory for weights + KV cache (accelerators)",
+    )
+    add_engine_args(parser)
+
+
+def run_server(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.tensor_parallel_size != 1:
+        raise SystemExit("--tensor-parallel-size above 1 is not supported yet (it comes with the device layer)")
+    if args.quantization not in (None, "none", "gguf"):
+        raise SystemExit(f"--quantization {args.quantization} is not supported yet")
+    model = args.model or args.model_tag
+    config = engine_config_from_args(model, args)
+    chat_template = args.chat_template
+    if chat_template is not None:
+        from pathlib import Path
+
+        path = Path(chat_template)
+        chat_template = path.read_text() if path.is_file() else chat_template
+    engine = AsyncLLMEngine.from_config(config)
+    names = args.served_model_name or [engine.engine.model_name]
+    settings = ServerSettings(names, args.max_waiting_requests, args.request_timeout, chat_template)
+    app = build_app(engine, settings, args.api_key, args.allowed_origins, args.enable_log_requests)
+    server_config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5
+    )
+    DrainingServer(server_config, app.state.server, args.drain_timeout).run()
+    engine.shutdown()
+
+
+def main() -> None:
+    run_server(make_parser().parse_args())
+
+
+if __name__ == "__main__":
+    main()

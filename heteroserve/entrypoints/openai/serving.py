@@ -1,0 +1,131 @@
+"""What completions and chat share: model check, request fan-out to the engine, limits, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from heteroserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from heteroserve.engine.llm_engine import PromptInput
+from heteroserve.entrypoints.openai.errors import APIError
+from heteroserve.metrics.prometheus import ServerMetrics
+from heteroserve.outputs import RequestOutput
+from heteroserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    max_waiting_requests: int | None = None
+    request_timeout: float | None = None
+    chat_template: str | None = None
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.defaults = engine.engine.sampling_defaults
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.settings.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves {self.model_name!r}.", "model")
+
+    def check_capacity(self) -> None:
+        limit = self.settings.max_waiting_requests
+        if limit is not None and self.engine.engine.stats().num_waiting >= limit:
+            raise APIError(429, f"too many requests waiting (limit {limit}); retry later")
+
+    def max_tokens_for(self, prompt_len: int, requested: int | None) -> int:
+        if prompt_len > self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{prompt_len} tokens.",
+                "prompt",
+            )
+        room = max(self.max_model_len - prompt_len, 1)
+        return requested if requested is not None else self.defaults.get("max_tokens", room)
+
+    def params(self, build) -> SamplingParams:
+        try:
+            return build()
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    async def start(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int
+    ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+        """Starts one engine request and waits for its first output, so bad input fails before any byte is sent."""
+        stream = self.engine.generate(request_id, prompt, params, priority)
+        try:
+            first = await self._next(stream)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        except EngineDeadError as exc:
+            raise APIError(500, str(exc)) from exc
+        return first, stream
+
+    async def _next(self, stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+        timeout = self.settings.request_timeout
+        try:
+            return await asyncio.wait_for(anext(stream), timeout)
+        except TimeoutError as exc:
+            await stream.aclose()
+            raise APIError(408, f"the request did not finish within {timeout} s") from exc
+
+    async def rest(self, first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+        yield first
+        output = first
+        while not output.finished:
+            try:
+                output = await self._next(stream)
+            except EngineDeadError as exc:
+                raise APIError(500, str(exc)) from exc
+            yield output
+
+    def record(self, output: RequestOutput, num_output_tokens: int, finish_reason: str | None) -> None:
+        self.metrics.observe_finished(output.metrics, len(output.prompt_token_ids), num_output_tokens, finish_reason)
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def merge(streams: list[AsyncIterator[tuple[int, RequestOutput]]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves several output streams as their items arrive."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put(exc)
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,163 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from heteroserve.entrypoints.openai.errors import APIError
+from heteroserve.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
+from heteroserve.entrypoints.openai.serving import OpenAIServing, sse
+from heteroserve.outputs import CompletionOutput
+
+
+def chat_logprobs(output: CompletionOutput, top: int) -> dict | None:
+    if output.logprobs is None:
+        return None
+    content = []
+    for token_id, entry in zip(output.token_ids, output.logprobs, strict=False):
+        chosen = entry[token_id]
+        ranked = sorted((lp for lp in entry.values() if lp.rank <= top), key=lambda lp: lp.rank)
+        content.append(
+            {
+                "token": chosen.decoded_token or "",
+                "logprob": chosen.logprob,
+                "bytes": list((chosen.decoded_token or "").encode()),
+                "top_logprobs": [
+                    {
+                        "token": lp.decoded_token or "",
+                        "logprob": lp.logprob,
+                        "bytes": list((lp.decoded_token or "").encode()),
+                    }
+                    for lp in ranked
+                ],
+            }
+        )
+    return {"content": content}
+
+
+class ServingChat(OpenAIServing):
+    def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so it has no chat template")
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=request.add_generation_prompt,
+                chat_template=request.chat_template or self.settings.chat_template,
+            )
+        except Exception as exc:  # jinja2 errors from the template (e.g. roles it rejects)
+            raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from exc
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def create(self, request: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+        self.check_model(request.model)
+        self.check_capacity()
+        text, ids = self.render(request)
+        max_tokens = self.max_tokens_for(len(ids), request.max_completion_tokens or request.max_tokens)
+        top = request.top_logprobs or 0
+        logprobs = top if request.logprobs else None
+        params = self.params(lambda: request.sampling_params(max_tokens, self.defaults, logprobs))
+        request_id = random_id("chatcmpl")
+        first, stream = await self.start(
+            request_id, {"prompt": text, "prompt_token_ids": ids}, params, request.priority
+        )
+        if request.stream:
+            return StreamingResponse(
+                self._stream(request, request_id, first, stream, top), media_type="text/event-stream"
+            )
+        final = None
+        async for output in self.rest(first, stream):
+            final = output
+        choices, completion_tokens = [], 0
+        for completion in final.outputs:
+            completion_tokens += len(completion.token_ids)
+            self.record(final, len(completion.token_ids), completion.finish_reason)
+            choices.append(
+                {
+                    "index": completion.index,
+                    "message": {"role": "assistant", "content": completion.text},
+                    "logprobs": chat_logprobs(completion, top),
+                    "finish_reason": completion.finish_reason,
+                    "stop_reason": completion.stop_reason,
+                }
+            )
+        usage = {
+            "prompt_tokens": len(ids),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(ids) + completion_tokens,
+        }
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": now(),
+                "model": self.model_name,
+                "choices": choices,
+                "usage": usage,
+            }
+        )
+
+    async def _stream(self, request, request_id, first, stream, top) -> AsyncIterator[str]:
+        created = now()
+        counts: dict[int, int] = {}
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            body = {
+                "id": request_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+            }
+            if usage is not None:
+                body["usage"] = usage
+            return sse(body)
+
+        try:
+            for index in range(request.n):
+                yield chunk(
+                    [
+                        {
+                            "index": index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            prompt_tokens = len(first.prompt_token_ids)
+            async for output in self.rest(first, stream):
+                for completion in output.outputs:
+                    counts[completion.index] = counts.get(completion.index, 0) + len(completion.token_ids)
+                    if completion.finish_reason is not None:
+                        self.record(output, counts[completion.index], completion.finish_reason)
+                    if not (completion.text or completion.token_ids or completion.finish_reason):
+                        continue
+                    delta = {"content": completion.text} if completion.text else {}
+                    yield chunk(
+                        [
+                            {
+                                "index": completion.index,
+                                "delta": delta,
+                                "logprobs": chat_logprobs(completion, top),
+                                "finish_reason": completion.finish_reason,
+                            }
+                        ]
+                    )
+            if request.stream_options and request.stream_options.include_usage:
+                generated = sum(counts.values())
+                yield chunk(
+                    [],
+                    {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": generated,
+                        "total_tokens": prompt_tokens + generated,
+                    },
+                )
+        except APIError as exc:
+            yield sse(exc.body())
+        yield sse("[DONE]")

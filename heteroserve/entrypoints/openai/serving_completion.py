@@ -1,0 +1,179 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from heteroserve.engine.llm_engine import PromptInput
+from heteroserve.entrypoints.openai.errors import APIError
+from heteroserve.entrypoints.openai.protocol import CompletionRequest, now, random_id
+from heteroserve.entrypoints.openai.serving import OpenAIServing, merge, sse
+from heteroserve.outputs import CompletionOutput, RequestOutput
+
+
+def _prompts(prompt: str | list) -> list[PromptInput]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": prompt}]
+    if all(isinstance(p, list) for p in prompt):
+        if any(not p for p in prompt):
+            raise APIError(400, "prompt token lists must not be empty", "prompt")
+        return [{"prompt_token_ids": p} for p in prompt]
+    return list(prompt)
+
+
+def completion_logprobs(output: CompletionOutput, text_offset: int, top: int) -> dict | None:
+    """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+    if output.logprobs is None:
+        return None
+    tokens, values, tops, offsets = [], [], [], []
+    for token_id, entry in zip(output.token_ids, output.logprobs, strict=False):
+        chosen = entry[token_id]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        values.append(chosen.logprob)
+        tops.append({lp.decoded_token or "": lp.logprob for lp in entry.values() if lp.rank <= top})
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+class ServingCompletion(OpenAIServing):
+    async def create(self, request: CompletionRequest) -> JSONResponse | StreamingResponse:
+        self.check_model(request.model)
+        self.check_capacity()
+        prompts = _prompts(request.prompt)
+        request_id = random_id("cmpl")
+        started = []
+        try:
+            for i, prompt in enumerate(prompts):
+                text, ids = self._tokenize(prompt)
+                max_tokens = self.max_tokens_for(len(ids), request.max_tokens)
+                params = self.params(lambda m=max_tokens: request.sampling_params(m, self.defaults, request.logprobs))
+                engine_prompt = {"prompt": text, "prompt_token_ids": ids}
+                started.append(await self.start(f"{request_id}-{i}", engine_prompt, params, request.priority))
+        except APIError:
+            for _, stream in started:
+                await stream.aclose()
+            raise
+        if request.stream:
+            return StreamingResponse(self._stream(request, request_id, started), media_type="text/event-stream")
+        return JSONResponse(await self._full(request, request_id, started))
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        try:
+            return self.engine.engine.tokenize_prompt(prompt)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "prompt") from exc
+
+    async def _full(self, request: CompletionRequest, request_id: str, started) -> dict:
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, (first, stream) in enumerate(started):
+            final = None
+            async for output in self.rest(first, stream):
+                final = output
+            prompt_tokens += len(final.prompt_token_ids)
+            prefix = final.prompt or "" if request.echo else ""
+            for completion in final.outputs:
+                completion_tokens += len(completion.token_ids)
+                self.record(final, len(completion.token_ids), completion.finish_reason)
+                choices.append(
+                    {
+                        "index": i * request.n + completion.index,
+                        "text": prefix + completion.text,
+                        "logprobs": completion_logprobs(completion, len(prefix), request.logprobs or 0),
+                        "finish_reason": completion.finish_reason,
+                        "stop_reason": completion.stop_reason,
+                    }
+                )
+        choices.sort(key=lambda c: c["index"])
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": now(),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage,
+        }
+
+    async def _stream(self, request: CompletionRequest, request_id: str, started) -> AsyncIterator[str]:
+        created = now()
+        counts: dict[int, int] = {}
+        offsets: dict[int, int] = {}
+        prompt_tokens = 0
+
+        async def tagged(i: int, first: RequestOutput, stream) -> AsyncIterator[tuple[int, RequestOutput]]:
+            async for output in self.rest(first, stream):
+                yield i, output
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+            body = {
+                "id": request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+            }
+            if usage is not None:
+                body["usage"] = usage
+            return sse(body)
+
+        try:
+            echoed: set[int] = set()
+            async for i, output in merge([tagged(i, f, s) for i, (f, s) in enumerate(started)]):
+                if i not in echoed:
+                    echoed.add(i)
+                    prompt_tokens += len(output.prompt_token_ids)
+                    if request.echo:
+                        for k in range(request.n):
+                            offsets[i * request.n + k] = len(output.prompt or "")
+                            yield chunk(
+                                [
+                                    {
+                                        "index": i * request.n + k,
+                                        "text": output.prompt or "",
+                                        "logprobs": None,
+                                        "finish_reason": None,
+                                    }
+                                ]
+                            )
+                for completion in output.outputs:
+                    index = i * request.n + completion.index
+                    counts[index] = counts.get(index, 0) + len(completion.token_ids)
+                    logprobs = completion_logprobs(completion, offsets.get(index, 0), request.logprobs or 0)
+                    offsets[index] = offsets.get(index, 0) + len(completion.text)
+                    if completion.finish_reason is not None:
+                        self.record(output, counts[index], completion.finish_reason)
+                    if completion.text or completion.token_ids or completion.finish_reason:
+                        yield chunk(
+                            [
+                                {
+                                    "index": index,
+                                    "text": completion.text,
+                                    "logprobs": logprobs,
+                                    "finish_reason": completion.finish_reason,
+                                    "stop_reason": completion.stop_reason,
+                                }
+                            ]
+                        )
+            if request.stream_options and request.stream_options.include_usage:
+                generated = sum(counts.values())
+                yield chunk(
+                    [],
+                    {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": generated,
+                        "total_tokens": prompt_tokens + generated,
+                    },
+                )
+        except APIError as exc:
+            yield sse(exc.body())
+        yield sse("[DONE]")

@@ -1,0 +1,1 @@
+"""Prometheus metrics, named like vLLM's with the `heteroserve:` prefix."""
