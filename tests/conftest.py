@@ -57,3 +57,13 @@ def greedy_comparison() -> GreedyComparison:
 def pytest_terminal_summary(terminalreporter):
     if _comparisons.sequences:
         terminalreporter.write_line(_comparisons.summary())
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One real server on the default model for the whole session."""
+    from tests.entrypoints.server_process import ServerProcess
+
+    process = ServerProcess("--max-model-len", "512", "--kv-cache-memory-bytes", str(128 * 1024**2))
+    yield process
+    process.stop()

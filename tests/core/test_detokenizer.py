@@ -242,7 +242,7 @@ def test_visible_text_tracks_what_was_streamed(tokenizer) -> None:
 FRAGMENTS = [" hello", " world", "你好", "世界", "🎉", "🚀", " STOP", "HERE", ".", "\n", " é", "ñ", "42", " the"]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
     parts=st.lists(st.sampled_from(FRAGMENTS), min_size=1, max_size=12),
     stop_span=st.tuples(st.integers(0, 200), st.integers(1, 6)),

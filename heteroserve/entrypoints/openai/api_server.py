@@ -86,12 +86,15 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
+        errors = exc.errors()
+        first = errors[0] if errors else {}
         location = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(location) or None
+        param = location[0] if location else None
         message = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             message, param = f"the request body is not valid JSON: {message}", None
+        elif param and len({tuple(e.get("loc", ()))[:2] for e in errors}) == 1 and len(errors) > 1:
+            message = f"{param}: none of the accepted forms matched ({message})"
         elif param:
             message = f"{param}: {message}"
         return APIError(400, message, param).response()

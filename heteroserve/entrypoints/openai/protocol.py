@@ -77,6 +77,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
+    return_tokens_as_token_ids: bool = False  # vLLM's extra: logprob tokens as "token_id:N"
 
     @model_validator(mode="after")
     def _non_empty(self) -> CompletionRequest:

@@ -25,17 +25,18 @@ def _prompts(prompt: str | list) -> list[PromptInput]:
     return list(prompt)
 
 
-def completion_logprobs(output: CompletionOutput, text_offset: int, top: int) -> dict | None:
+def completion_logprobs(output: CompletionOutput, text_offset: int, top: int, as_ids: bool = False) -> dict | None:
     """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
     if output.logprobs is None:
         return None
     tokens, values, tops, offsets = [], [], [], []
+    name = (lambda t, lp: f"token_id:{t}") if as_ids else (lambda t, lp: lp.decoded_token or "")
     for token_id, entry in zip(output.token_ids, output.logprobs, strict=False):
         chosen = entry[token_id]
         text = chosen.decoded_token or ""
-        tokens.append(text)
+        tokens.append(name(token_id, chosen))
         values.append(chosen.logprob)
-        tops.append({lp.decoded_token or "": lp.logprob for lp in entry.values() if lp.rank <= top})
+        tops.append({name(t, lp): lp.logprob for t, lp in entry.items() if lp.rank <= top})
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
@@ -84,7 +85,9 @@ class ServingCompletion(OpenAIServing):
                     {
                         "index": i * request.n + completion.index,
                         "text": prefix + completion.text,
-                        "logprobs": completion_logprobs(completion, len(prefix), request.logprobs or 0),
+                        "logprobs": completion_logprobs(
+                            completion, len(prefix), request.logprobs or 0, request.return_tokens_as_token_ids
+                        ),
                         "finish_reason": completion.finish_reason,
                         "stop_reason": completion.stop_reason,
                     }
@@ -148,7 +151,9 @@ class ServingCompletion(OpenAIServing):
                 for completion in output.outputs:
                     index = i * request.n + completion.index
                     counts[index] = counts.get(index, 0) + len(completion.token_ids)
-                    logprobs = completion_logprobs(completion, offsets.get(index, 0), request.logprobs or 0)
+                    logprobs = completion_logprobs(
+                        completion, offsets.get(index, 0), request.logprobs or 0, request.return_tokens_as_token_ids
+                    )
                     offsets[index] = offsets.get(index, 0) + len(completion.text)
                     if completion.finish_reason is not None:
                         self.record(output, counts[index], completion.finish_reason)
