@@ -71,6 +71,11 @@ class SchedulerConfig:
 @dataclass
 class DeviceConfig:
     device: str = "auto"
+    kernels: str = "auto"  # "reference": plain torch operators everywhere, to check faster kernels against
+
+    def __post_init__(self) -> None:
+        if self.kernels not in ("auto", "reference"):
+            raise ValueError(f"kernels must be 'auto' or 'reference', got {self.kernels!r}")
 
 
 @dataclass

@@ -30,7 +30,7 @@ class LLMEngine:
         self.platform = resolve_platform(config.device.device)
         self.platform.configure_process()
         torch.manual_seed(config.model.seed)
-        loaded = load_model(config.model, self.platform)
+        loaded = load_model(config.model, self.platform, config.device.kernels)
         self.model_name = loaded.source.name
         self.tokenizer = loaded.tokenizer
         self.hf_config = loaded.hf_config

@@ -35,6 +35,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="auto: apply the checkpoint's generation_config.json defaults",
     )
     group.add_argument("--device", default="auto", help="auto, cpu, cuda, ... ($HETEROSERVE_DEVICE also works)")
+    group.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "reference"],
+        help="auto: the platform's fastest kernels; reference: plain torch operators",
+    )
     group.add_argument("--seed", type=int, default=0)
 
 
@@ -48,5 +54,5 @@ def engine_config_from_args(model: str | None, args: argparse.Namespace) -> Engi
             args.enable_chunked_prefill,
             args.scheduling_policy,
         ),
-        device=DeviceConfig(args.device),
+        device=DeviceConfig(args.device, args.kernels),
     )

@@ -32,13 +32,14 @@ class LLM:
         scheduling_policy: str = "fcfs",
         generation_config: str = "auto",
         device: str = "auto",
+        kernels: str = "auto",
         seed: int = 0,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model, dtype, max_model_len, seed, generation_config=generation_config),
             cache=CacheConfig(block_size, kv_cache_memory_bytes, enable_prefix_caching, num_kv_blocks),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, scheduling_policy),
-            device=DeviceConfig(device),
+            device=DeviceConfig(device, kernels),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

@@ -15,6 +15,7 @@ from heteroserve.model.arch import ModelArch
 from heteroserve.model.layers.attention import AttentionMetadata, paged_attention
 from heteroserve.model.layers.norm import RMSNorm
 from heteroserve.model.layers.rotary import RotaryEmbedding
+from heteroserve.platforms.interface import LinearOp
 
 
 def _weight(rows: int, cols: int) -> nn.Parameter:
@@ -22,8 +23,9 @@ def _weight(rows: int, cols: int) -> nn.Parameter:
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, linear: LinearOp) -> None:
         super().__init__()
+        self.linear = linear
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -37,7 +39,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = self.linear(x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -46,33 +48,51 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return F.linear(out.flatten(1), self.o_proj)
+        return self.linear(out.flatten(1), self.o_proj)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, linear: LinearOp) -> None:
         super().__init__()
+        self.linear = linear
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch)
+        self.self_attn = Attention(arch, linear)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.gate_up_proj = _weight(2 * arch.intermediate_size, arch.hidden_size)
         self.down_proj = _weight(arch.hidden_size, arch.intermediate_size)
 
     def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        gate, up = F.linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = self.linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
+        return x + self.linear(F.silu(gate) * up, self.down_proj)
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, arch: ModelArch, hf_config: PretrainedConfig, max_positions: int) -> None:
+    def __init__(
+        self, arch: ModelArch, hf_config: PretrainedConfig, max_positions: int, linear: LinearOp | None = None
+    ) -> None:
         super().__init__()
         self.arch = arch
+        self.linear = linear or LinearOp()
         self.embed_tokens = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, self.linear) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else _weight(arch.vocab_size, arch.hidden_size)
         self.rotary = RotaryEmbedding(hf_config, arch.head_dim, max_positions)
+
+    def prepare_weights(self) -> None:
+        """Hands every projection weight to the linear kernel once (repacking); call after loading."""
+        for layer in self.layers:
+            for owner, name in (
+                (layer.self_attn, "qkv_proj"),
+                (layer.self_attn, "o_proj"),
+                (layer, "gate_up_proj"),
+                (layer, "down_proj"),
+            ):
+                setattr(owner, name, nn.Parameter(self.linear.prepare(getattr(owner, name).data), requires_grad=False))
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        # A tied head gets its own prepared copy: the embedding lookup needs the plain layout.
+        self.lm_head = nn.Parameter(self.linear.prepare(head.data), requires_grad=False)
 
     def forward(
         self,
@@ -89,4 +109,4 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the given rows only (the LM head runs just where tokens are sampled)."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head).float()
+        return self.linear(hidden, head).float()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 DTYPES = {
     "float32": torch.float32,
@@ -11,6 +12,18 @@ DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
+
+
+class LinearOp:
+    """y = x W^T + b. `prepare` runs once per weight at load time (e.g. to repack it for a kernel)."""
+
+    name = "torch.linear"
+
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
 
 
 class Platform:
@@ -41,6 +54,10 @@ class Platform:
                 raise ValueError(f"dtype {requested} is not supported on {self.name} (supported: {names})")
             return dtype
         return checkpoint_dtype if checkpoint_dtype in self.supported_dtypes() else torch.float32
+
+    def linear_op(self, dtype: torch.dtype, kernels: str = "auto") -> LinearOp:
+        """The matrix-product kernel for weights of this dtype; `kernels="reference"` asks for plain torch."""
+        return LinearOp()
 
     def kv_cache_budget_bytes(self, requested: int | None) -> int:
         """Bytes for the KV block pool when the user gave none (or the user's figure, checked)."""

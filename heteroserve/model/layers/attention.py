@@ -90,8 +90,8 @@ def paged_attention(
             keys, values = k[rows], v[rows]
         else:
             context = chunk.start_pos + chunk.num_queries
-            keys = k_cache[chunk.block_ids].flatten(0, 1)[:context]
-            values = v_cache[chunk.block_ids].flatten(0, 1)[:context]
+            keys = k_cache.index_select(0, chunk.block_ids).flatten(0, 1)[:context]
+            values = v_cache.index_select(0, chunk.block_ids).flatten(0, 1)[:context]
         out[rows] = _prefill(q[rows], keys, values, chunk.mask, scale)
     return out
 
@@ -99,8 +99,9 @@ def paged_attention(
 def _decode(q, k_cache, v_cache, block_tables, mask, scale) -> torch.Tensor:
     b, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    keys = k_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    shape = (b, -1, num_kv_heads, head_dim)
+    keys = k_cache.index_select(0, block_tables.flatten()).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_cache.index_select(0, block_tables.flatten()).view(shape).transpose(1, 2)
     q = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)  # query head h uses kv head h // group
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(b, num_heads, head_dim)

@@ -46,7 +46,7 @@ class LoadedModel:
     sampling_defaults: dict[str, object] = field(default_factory=dict)
 
 
-def load_model(config: ModelConfig, platform: Platform) -> LoadedModel:
+def load_model(config: ModelConfig, platform: Platform, kernels: str = "auto") -> LoadedModel:
     source = resolve_model(config.model)
     if source.gguf_file is not None:
         reader = open_gguf(source.gguf_file)
@@ -65,9 +65,12 @@ def load_model(config: ModelConfig, platform: Platform) -> LoadedModel:
     max_model_len = config.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's %d positions", max_model_len, arch.max_position_embeddings)
-    model = DecoderModel(arch, hf_config, max(max_model_len, arch.max_position_embeddings))
+    linear = platform.linear_op(dtype, kernels)
+    model = DecoderModel(arch, hf_config, max(max_model_len, arch.max_position_embeddings), linear)
     load_weights(model, tensors, dtype)
     model.to(platform.device).eval()
+    model.prepare_weights()
+    logger.info("linear kernel: %s", linear.name)
 
     tokenizer = _load_tokenizer(source)
     eos = tokenizer.eos_token_id if tokenizer is not None else None
