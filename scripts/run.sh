@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Sets everything up, then runs the main job on the embedded default model.
+# Sets everything up, then serves the embedded default model: chat page and OpenAI API on port 8000.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-exec heteroserve chat "$@"
+exec heteroserve serve "$@"

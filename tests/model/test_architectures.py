@@ -102,3 +102,12 @@ def test_preemption(tiny, greedy_comparison):
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
     assert llm.engine.stats().num_preemptions > 0
     _check_all(tiny, "preempted", outputs, token_prompts, greedy_comparison)
+
+
+def test_reference_kernels(tiny, greedy_comparison):
+    """The plain-torch operators (what faster platform kernels are checked against) match too."""
+    token_prompts = prompts(5, [12, 30], tiny.vocab_size)
+    llm = tiny.llm(kernels="reference")
+    assert llm.engine.runner.model.linear.name == "torch.linear"
+    outputs = run(llm, token_prompts, greedy_params(tiny.vocab_size))
+    _check_all(tiny, "reference-kernels", outputs, token_prompts, greedy_comparison)

@@ -12,10 +12,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import heteroserve
+from heteroserve import web
 from heteroserve.engine.async_engine import AsyncLLMEngine
 from heteroserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from heteroserve.entrypoints.openai.errors import APIError
@@ -98,6 +99,10 @@ def build_app(
         elif param:
             message = f"{param}: {message}"
         return APIError(400, message, param).response()
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page():
+        return HTMLResponse(web.chat_page())
 
     @app.get("/health")
     async def health():

@@ -1,0 +1,106 @@
+"""API keys, load shedding and SIGTERM drain, on a server of their own (it is shut down at the end)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.server_process import ServerProcess
+
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def strict_server():
+    process = ServerProcess(
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory-bytes",
+        str(32 * 1024**2),
+        "--api-key",
+        KEY,
+        "--served-model-name",
+        "smol",
+        "smol-alias",
+        "--max-waiting-requests",
+        "2",
+        "--max-num-seqs",
+        "1",
+        "--drain-timeout",
+        "60",
+    )
+    yield process
+    process.stop()
+
+
+def test_api_key_guards_only_the_api(strict_server):
+    url = strict_server.base_url
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    wrong = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "AuthenticationError"
+    assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"}).status_code == 401
+    for open_path in ("/health", "/health/ready", "/metrics", "/version"):
+        assert httpx.get(f"{url}{open_path}").status_code == 200, open_path
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["smol", "smol-alias"]
+    reply = client.completions.create(model="smol-alias", prompt="Hi", max_tokens=2)
+    assert reply.model == "smol" and reply.choices[0].text is not None
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_waiting_queue_limit_answers_429(strict_server):
+    """One sequence runs at a time and two may wait: a burst of six gets some 429s, the rest finish."""
+    url = strict_server.base_url
+    statuses: list[int] = []
+
+    def send() -> None:
+        body = {"model": "smol", "prompt": "Tell me a story", "max_tokens": 40, "ignore_eos": True}
+        response = httpx.post(
+            f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=300
+        )
+        statuses.append(response.status_code)
+        if response.status_code == 429:
+            assert "waiting" in response.json()["error"]["message"]
+
+    threads = [threading.Thread(target=send) for _ in range(6)]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    for t in threads:
+        t.join()
+    assert 429 in statuses and 200 in statuses
+    assert set(statuses) <= {200, 429}
+
+
+def test_sigterm_drains_then_exits_zero(strict_server):
+    url = strict_server.base_url
+    result: dict[str, object] = {}
+
+    def long_request() -> None:
+        body = {"model": "smol", "prompt": "Write a poem", "max_tokens": 60, "ignore_eos": True}
+        response = httpx.post(
+            f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=300
+        )
+        result["status"] = response.status_code
+        result["tokens"] = response.json()["usage"]["completion_tokens"]
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while strict_server.metric("heteroserve:num_requests_running") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    strict_server.terminate()
+    time.sleep(0.3)
+    assert httpx.get(f"{url}/health/ready").status_code == 503
+    refused = httpx.post(
+        f"{url}/v1/completions", json={"model": "smol", "prompt": "late"}, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert refused.status_code == 503
+    worker.join(120)
+    assert result == {"status": 200, "tokens": 60}
+    assert strict_server.process.wait(60) == 0
