@@ -88,6 +88,12 @@ class ServerMetrics:
             registry=self.registry,
         )
 
+        # Export every series from the start, so dashboards and alerts see zeros rather than nothing.
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e, self.queue_time):
+            metric.labels(model_name)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name, reason)
+
     def observe_finished(
         self, metrics: RequestMetrics | None, prompt_tokens: int, output_tokens: int, finish_reason: str | None
     ) -> None:

@@ -22,7 +22,7 @@ def test_dashboard_queries_use_exported_metrics(server):
     for panel in dashboard["panels"]:
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
-            names = re.findall(r"heteroserve:[a-z_]+", target["expr"])
+            names = re.findall(r"heteroserve:[a-z0-9_]+", target["expr"])
             assert names, target["expr"]
             for name in names:
                 assert name in exported, f"panel {panel['title']!r} queries {name}, which the server does not export"

@@ -12,7 +12,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import heteroserve
@@ -24,6 +24,7 @@ from heteroserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ErrorResponse,
     TokenizeRequest,
     now,
 )
@@ -35,6 +36,15 @@ from heteroserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("heteroserve.server")
 _KEYED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_API_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 429, 500, 503)}
+_PROBE_ERRORS = {503: {"model": ErrorResponse}}
+_GENERATION_RESPONSES = {
+    **_API_ERRORS,
+    200: {
+        "description": "JSON, or server-sent events with stream=true",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    },
+}
 
 
 class ServerState:
@@ -104,20 +114,20 @@ def build_app(
     async def chat_page():
         return HTMLResponse(web.chat_page())
 
-    @app.get("/health")
+    @app.get("/health", responses=_PROBE_ERRORS)
     async def health():
         if not engine.is_alive:
             return APIError(503, f"the engine loop is not running: {engine.dead_error!r}").response()
-        return Response(status_code=200)
+        return {"status": "ok"}
 
-    @app.get("/health/ready")
+    @app.get("/health/ready", responses={503: {"description": "loading, draining or failed"}})
     async def ready():
         if state.draining or not state.ready or not engine.is_alive:
             reason = "draining" if state.draining else "loading" if not state.ready else "engine failed"
             return JSONResponse({"status": reason}, status_code=503)
         return JSONResponse({"status": "ready"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -125,7 +135,7 @@ def build_app(
     async def version():
         return {"version": heteroserve.__version__}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_API_ERRORS)
     async def models():
         cards = [
             {
@@ -139,19 +149,19 @@ def build_app(
         ]
         return {"object": "list", "data": cards}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
     async def create_completion(body: CompletionRequest):
         if log_requests:
             logger.info("completion request: %s", body.model_dump_json())
         return await completions.create(body)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest):
         if log_requests:
             logger.info("chat request: %s", body.model_dump_json())
         return await chats.create(body)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=_API_ERRORS)
     async def tokenize(body: TokenizeRequest):
         completions.check_model(body.model)
         if chats.tokenizer is None:
@@ -165,7 +175,7 @@ def build_app(
             raise APIError(400, "give either prompt or messages", "prompt")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.engine.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=_API_ERRORS)
     async def detokenize(body: DetokenizeRequest):
         completions.check_model(body.model)
         vocab = engine.engine.runner.arch.vocab_size

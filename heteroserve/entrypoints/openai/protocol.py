@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from heteroserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -72,18 +72,21 @@ class SamplingFields(BaseModel):
         )
 
 
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: (
+        NonEmptyText
+        | Annotated[list[NonEmptyText], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False  # vLLM's extra: logprob tokens as "token_id:N"
-
-    @model_validator(mode="after")
-    def _non_empty(self) -> CompletionRequest:
-        if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be an empty list")
-        return self
 
 
 class TextPart(BaseModel):
