@@ -6,6 +6,9 @@ import copy
 from dataclasses import dataclass, field
 from enum import Enum
 
+_GREEDY_BELOW = 1e-5
+_INT64 = 2**63
+
 
 class RequestOutputKind(Enum):
     """What `LLMEngine.step` reports for a request: all text so far, only the new part, or only the end."""
@@ -67,6 +70,10 @@ class SamplingParams:
             raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if self.seed is not None and not -_INT64 <= self.seed < _INT64:
+            raise bad("seed", self.seed, "a 64-bit integer")
+        if any(not 0 <= t < _INT64 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "token ids >= 0")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens, "an integer >= 1")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
@@ -78,7 +85,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures this small would overflow the scaled logits; vLLM treats them as greedy too."""
+        return self.temperature < _GREEDY_BELOW
 
     def clone(self, **changes: object) -> SamplingParams:
         params = copy.copy(self)

@@ -25,6 +25,7 @@ class BatchRun:
     peak_rss_mib: float
     num_steps: int
     num_preemptions: int
+    e2e_s: list[float]  # per request, arrival to finish
 
 
 def run_batch(engine: LLMEngine, requests: Requests) -> BatchRun:
@@ -39,10 +40,12 @@ def run_batch(engine: LLMEngine, requests: Requests) -> BatchRun:
         )
         engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)
     outputs: dict[str, list[int]] = {}
+    e2e: list[float] = []
     peak, steps = 0, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs[out.request_id] = out.outputs[0].token_ids
+            e2e.append(out.metrics.finished_time - out.metrics.arrival_time)
         peak = max(peak, pool.num_used_blocks)
         steps += 1
     wall = time.perf_counter() - start
@@ -60,6 +63,7 @@ def run_batch(engine: LLMEngine, requests: Requests) -> BatchRun:
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         num_steps=steps,
         num_preemptions=engine.scheduler.num_preemptions - preemptions_before,
+        e2e_s=e2e,
     )
 
 
@@ -83,6 +87,7 @@ def single_stream(engine: LLMEngine, prompt: list[int], output_len: int, repeats
         inter_token += [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     inter_token.sort()
     return {
+        "inter_token_samples_ms": [1000 * x for x in inter_token],
         "prefill_ms": 1000 * statistics.median(prefill),
         "decode_tokens_per_s": statistics.median(decode),
         "inter_token_ms": {
@@ -90,3 +95,15 @@ def single_stream(engine: LLMEngine, prompt: list[int], output_len: int, repeats
             for q in (50, 90, 99)
         },
     }
+
+
+def time_to_first_token(engine: LLMEngine, request_id: str, prompt: list[int], output_len: int) -> float:
+    """Seconds from add_request to the first output of one request run alone (then runs it to the end)."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    start = time.perf_counter()
+    engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    first = None
+    while engine.has_unfinished_requests():
+        if engine.step() and first is None:
+            first = time.perf_counter() - start
+    return first

@@ -66,3 +66,25 @@ def random_requests(
 ) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [([rng.randrange(vocab_size) for _ in range(prompt_len)], output_len) for _ in range(num_requests)]
+
+
+def jsonl_requests(path: str, encode: Encode, output_len: int) -> list[tuple[list[int], int]]:
+    """One request per line: {"prompt": text} or {"prompt_token_ids": [...]}, optionally "max_tokens"."""
+    import json
+
+    requests = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "prompt_token_ids" in row:
+                ids = [int(t) for t in row["prompt_token_ids"]]
+            elif "prompt" in row:
+                ids = encode(row["prompt"])
+            else:
+                raise ValueError(f"{path}:{number}: a line needs 'prompt' or 'prompt_token_ids'")
+            requests.append((ids, int(row.get("max_tokens", output_len))))
+    if not requests:
+        raise ValueError(f"{path} has no requests")
+    return requests

@@ -87,7 +87,7 @@ class LLMEngine:
         """Validates and queues a request; a bad request raises ValueError and leaves the others untouched."""
         params = params or self.default_sampling_params()
         text, token_ids = self.tokenize_prompt(prompt)
-        self._validate(request_id, token_ids)
+        self._validate(request_id, token_ids, params)
         if not params.ignore_eos and self.extra_eos_token_ids:
             params = params.clone(stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
         arrival = arrival_time or time.time()
@@ -117,7 +117,7 @@ class LLMEngine:
         self.scheduler.add_request(request)
         self.outputs.add(request, text, index, parent)
 
-    def _validate(self, request_id: str, token_ids: list[int]) -> None:
+    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.scheduler.requests or request_id in self._children:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not token_ids:
@@ -128,6 +128,9 @@ class LLMEngine:
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Stops requests at once and frees their blocks; each gets a final output with reason 'abort'."""

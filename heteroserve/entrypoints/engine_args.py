@@ -41,7 +41,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "reference"],
         help="auto: the platform's fastest kernels; reference: plain torch operators",
     )
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--seed", type=int, default=0, help="engine seed (and the bench's random dataset seed)")
 
 
 def engine_config_from_args(model: str | None, args: argparse.Namespace) -> EngineConfig:

@@ -123,7 +123,8 @@ class TinyModel:
     def llm(self, **kwargs) -> LLM:
         kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
         kwargs.setdefault("num_kv_blocks", 64)
-        return LLM(model=str(self.folder), dtype="float32", **kwargs)
+        kwargs.setdefault("dtype", "float32")
+        return LLM(model=str(self.folder), **kwargs)
 
 
 def save_tiny(name: str, root: Path, seed: int = 0) -> TinyModel:

@@ -219,7 +219,7 @@ class DrainingServer(uvicorn.Server):
         deadline = loop.time() + self.drain_timeout
         while self.state.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        super().handle_exit(sig, frame)
+        self.should_exit = True  # not handle_exit: uvicorn would re-raise the signal and the exit code be -15
 
 
 def make_parser() -> argparse.ArgumentParser:

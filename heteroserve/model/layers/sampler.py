@@ -120,7 +120,7 @@ class Sampler:
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
-    k = torch.tensor([t if t else vocab for t in top_k], device=logits.device)
+    k = torch.tensor([min(t, vocab) if t else vocab for t in top_k], device=logits.device)
     positions = torch.arange(vocab, device=logits.device)[None, :]
     drop = positions >= k[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)

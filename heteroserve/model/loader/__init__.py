@@ -72,7 +72,7 @@ def load_model(config: ModelConfig, platform: Platform, kernels: str = "auto") -
     model.prepare_weights()
     logger.info("linear kernel: %s", linear.name)
 
-    tokenizer = _load_tokenizer(source)
+    tokenizer = load_tokenizer(source)
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     if eos is None:
         eos = _first(hf_config.eos_token_id)
@@ -92,7 +92,7 @@ def _generation_config(folder: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
     """The folder's tokenizer, or one built from GGUF metadata (cached, since building takes seconds)."""
     if source.gguf_file is None:
         if not any(

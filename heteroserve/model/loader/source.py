@@ -65,6 +65,6 @@ def _find_in_hf_cache(model_id: str) -> Path | None:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(model_id, local_files_only=True))
+        return Path(snapshot_download(model_id, local_files_only=True, cache_dir=os.environ.get("HF_HUB_CACHE")))
     except Exception:  # noqa: BLE001 - any failure means "not cached"
         return None

@@ -1,0 +1,135 @@
+"""`heteroserve bench` subcommands, run as real processes on small workloads (no timing thresholds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALL = ["--max-model-len", "128", "--kv-cache-memory-bytes", str(16 * 1024**2)]
+
+
+def bench(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    result = subprocess.run(
+        [sys.executable, "-m", "heteroserve.entrypoints.cli", "bench", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    if check:
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+def test_throughput_with_hf_peer(tmp_path):
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    bench(
+        "throughput",
+        "--num-requests",
+        "3",
+        "--input-len",
+        "16",
+        "--output-len",
+        "4",
+        "--peer",
+        "hf",
+        "--hf-batch",
+        "1,2",
+        "--hf-requests",
+        "1",
+        "--output-json",
+        str(out),
+        "--plot",
+        str(png),
+        *SMALL,
+    )
+    result = json.loads(out.read_text())
+    ours = result["heteroserve"]
+    assert ours["output_tokens"] == 3 * 4
+    for key in ("wall_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "peak_rss_mib"):
+        assert ours[key] > 0, key
+    assert ours["kv_blocks_needed"] == 3 * 2 and 0 < ours["peak_kv_blocks"] <= ours["kv_blocks_allocated"]
+    one, two = result["peers"]["hf_one_at_a_time"], result["peers"]["hf_static_2"]
+    assert one["measured_requests"] == 1 and one["scaled"] and not two["scaled"]
+    for peer in (one, two):
+        assert peer["output_tokens_per_s"] > 0 and peer["heteroserve_ratio"] > 0
+        assert 0 <= peer["greedy_match_rate"] <= 1
+    assert two["greedy_match_rate"] == 1.0  # same greedy tokens as transformers on these prompts
+    machine = result["machine"]
+    assert machine["cores"] >= 1 and machine["torch"] and "isa" in machine
+    assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_throughput_scenario_d_and_latency(tmp_path):
+    out = tmp_path / "d.json"
+    bench("throughput", "--scenario", "D", "--num-requests", "2", "--output-json", str(out), "--max-model-len", "512")
+    result = json.loads(out.read_text())
+    assert result["scenario"] == "D" and result["heteroserve"]["output_tokens"] == 16 + 69  # G = 16 + 53 i mod 241
+    lat = tmp_path / "a.json"
+    bench(
+        "latency",
+        "--input-len",
+        "8",
+        "--output-len",
+        "6",
+        "--repeats",
+        "1",
+        "--peer",
+        "hf",
+        "--output-json",
+        str(lat),
+        *SMALL,
+    )
+    result = json.loads(lat.read_text())
+    assert result["heteroserve"]["prefill_ms"] > 0 and result["heteroserve"]["decode_tokens_per_s"] > 0
+    assert result["peers"]["hf"]["decode_ratio"] > 0
+
+
+def test_serve_against_a_running_server(server, tmp_path):
+    out, png = tmp_path / "c.json", tmp_path / "c.png"
+    bench(
+        "serve",
+        "--base-url",
+        server.base_url,
+        "--num-requests",
+        "4",
+        "--concurrency",
+        "2",
+        "--input-len",
+        "16",
+        "--output-len",
+        "5",
+        "--ttft-requests",
+        "2",
+        "--output-json",
+        str(out),
+        "--plot",
+        str(png),
+    )
+    result = json.loads(out.read_text())
+    serving = result["heteroserve"]
+    assert serving["errors"] == [] and serving["output_tokens"] == 4 * 5
+    assert serving["ttft_ms"]["p50"] > 0 and serving["inter_token_ms"]["p99"] >= serving["inter_token_ms"]["p50"]
+    assert serving["concurrency_1"]["requests"] == 2
+    assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["throughput", "--input-len", "200", *SMALL], "does not fit max_model_len=128"),
+        (["throughput", "--peer", "nope", *SMALL], "unknown peer"),
+        (["serve", "--base-url", "http://127.0.0.1:9", "--num-requests", "1", "--input-len", "8"], "cannot reach"),
+        (["throughput", "--dataset", "/no/such/file.jsonl", "--input-len", "16", *SMALL], "neither workload"),
+    ],
+)
+def test_bad_arguments(args, message):
+    result = bench(*args, check=False)
+    assert result.returncode != 0
+    assert message in result.stderr + result.stdout
