@@ -13,6 +13,8 @@ def plot_result(result: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     bars = {"heteroserve": _throughput(result.get("heteroserve", {}))}
+    if "offline" in result:
+        bars["heteroserve offline"] = _throughput(result["offline"])
     for name, peer in result.get("peers", {}).items():
         bars[name] = _throughput(peer)
     names = [n for n, v in bars.items() if v is not None]

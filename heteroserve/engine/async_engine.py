@@ -112,8 +112,7 @@ class AsyncLLMEngine:
                     continue
                 outputs = self.engine.step()
                 self.num_steps += 1
-                for output in outputs:
-                    self._deliver(output.request_id, output, output.finished)
+                self._deliver_step(outputs)
         except BaseException as exc:  # noqa: BLE001 - any failure must reach every waiting client
             logger.exception("engine loop failed")
             self.dead_error = exc
@@ -149,11 +148,28 @@ class AsyncLLMEngine:
             if isinstance(message, _Add):
                 message.accepted.get_loop().call_soon_threadsafe(_settle, message.accepted, error)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """One wake-up of each event loop per step, however many requests it served."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for output in outputs:
+            target = (
+                self._streams.pop(output.request_id, None) if output.finished else self._streams.get(output.request_id)
+            )
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], output))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _deliver(self, request_id: str, item: RequestOutput | BaseException, last: bool) -> None:
         target = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
         if target is not None:
             loop, outputs = target
             loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue_, output in items:
+        queue_.put_nowait(output)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
