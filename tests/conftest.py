@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-
-from tests.reference import GreedyComparison, HFReference
-
-# Tests share 2 cores with the servers they start; keep threads bounded and polite.
+# Tests share 2 cores with the servers they start: OpenMP workers must sleep, not spin, when idle.
+# (Read when libgomp loads, so this comes before torch is imported.)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.reference import GreedyComparison, HFReference  # noqa: E402
 
 _comparisons = GreedyComparison()
 
