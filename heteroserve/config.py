@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+# None: what the checkpoint has (a GGUF's 4-bit tensors stay 4-bit); "none": dequantise everything;
+# "gguf": insist on a GGUF file; "int4": quantise a float checkpoint's projections at load time.
+QUANTIZATIONS = (None, "none", "gguf", "int4")
 
 
 @dataclass
@@ -21,6 +24,9 @@ class ModelConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.quantization not in QUANTIZATIONS:
+            names = ", ".join(q for q in QUANTIZATIONS if q)
+            raise ValueError(f"quantization must be one of {names} (or unset), got {self.quantization!r}")
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
 

@@ -44,10 +44,10 @@ def hf_default(default_model_path, default_tokenizer) -> HFReference:
 
 @pytest.fixture(scope="session")
 def default_llm():
-    """The default model in the engine's default configuration, shared by the whole session."""
+    """The default model dequantised to float32 (as the transformers reference runs it), shared by the session."""
     from heteroserve import LLM
 
-    return LLM(max_model_len=512, kv_cache_memory_bytes=128 * 1024**2)
+    return LLM(max_model_len=512, kv_cache_memory_bytes=128 * 1024**2, quantization="none")
 
 
 @pytest.fixture(scope="session")
@@ -65,6 +65,8 @@ def server():
     """One real server on the default model for the whole session."""
     from tests.entrypoints.server_process import ServerProcess
 
-    process = ServerProcess("--max-model-len", "512", "--kv-cache-memory-bytes", str(128 * 1024**2))
+    process = ServerProcess(
+        "--max-model-len", "512", "--kv-cache-memory-bytes", str(128 * 1024**2), "--quantization", "none"
+    )
     yield process
     process.stop()

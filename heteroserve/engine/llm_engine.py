@@ -6,8 +6,6 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 
-import torch
-
 from heteroserve.config import EngineConfig
 from heteroserve.core.kv_cache_manager import KVCacheManager
 from heteroserve.core.request import Request, RequestStatus
@@ -29,7 +27,7 @@ class LLMEngine:
         self.config = config
         self.platform = resolve_platform(config.device.device)
         self.platform.configure_process()
-        torch.manual_seed(config.model.seed)
+        self.platform.manual_seed(config.model.seed)
         loaded = load_model(config.model, self.platform, config.device.kernels)
         self.model_name = loaded.source.name
         self.tokenizer = loaded.tokenizer

@@ -34,19 +34,39 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "vllm"],
         help="auto: apply the checkpoint's generation_config.json defaults",
     )
-    group.add_argument("--device", default="auto", help="auto, cpu, cuda, ... ($HETEROSERVE_DEVICE also works)")
+    group.add_argument(
+        "--device",
+        default="auto",
+        help="auto, cpu, cuda, rocm, npu, mlu, xpu, mps or a plugin's name ($HETEROSERVE_DEVICE also works; "
+        "`heteroserve env` lists them)",
+    )
     group.add_argument(
         "--kernels",
         default="auto",
         choices=["auto", "reference"],
         help="auto: the platform's fastest kernels; reference: plain torch operators",
     )
+    group.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["none", "gguf", "int4"],
+        help="unset: as the checkpoint is (GGUF 4-bit stays 4-bit); none: dequantise; "
+        "int4: quantise a float checkpoint at load",
+    )
     group.add_argument("--seed", type=int, default=0, help="engine seed (and the bench's random dataset seed)")
 
 
 def engine_config_from_args(model: str | None, args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(model, args.dtype, args.max_model_len, args.seed, generation_config=args.generation_config),
+        model=ModelConfig(
+            model,
+            args.dtype,
+            args.max_model_len,
+            args.seed,
+            args.quantization,
+            generation_config=args.generation_config,
+        ),
         cache=CacheConfig(args.block_size, args.kv_cache_memory_bytes, args.enable_prefix_caching),
         scheduler=SchedulerConfig(
             args.max_num_seqs,

@@ -33,10 +33,11 @@ class LLM:
         generation_config: str = "auto",
         device: str = "auto",
         kernels: str = "auto",
+        quantization: str | None = None,
         seed: int = 0,
     ) -> None:
         config = EngineConfig(
-            model=ModelConfig(model, dtype, max_model_len, seed, generation_config=generation_config),
+            model=ModelConfig(model, dtype, max_model_len, seed, quantization, generation_config=generation_config),
             cache=CacheConfig(block_size, kv_cache_memory_bytes, enable_prefix_caching, num_kv_blocks),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, scheduling_policy),
             device=DeviceConfig(device, kernels),

@@ -8,6 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from heteroserve.engine.llm_engine import LLMEngine
 from heteroserve.outputs import RequestMetrics
+from heteroserve.platforms.operators import OPERATORS
 
 PREFIX = "heteroserve:"
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -39,6 +40,15 @@ class _EngineCollector:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=names)
             counter.add_metric(values, value)
             yield counter
+        fallbacks = CounterMetricFamily(
+            PREFIX + "operator_fallbacks",
+            "Operator calls the device could not run, run on the CPU instead.",
+            labels=[*names, "operator"],
+        )
+        counts = self.engine.platform.operator_fallbacks
+        for operator in OPERATORS:
+            fallbacks.add_metric([*values, operator], counts[operator])
+        yield fallbacks
 
 
 class ServerMetrics:

@@ -2,6 +2,8 @@
 
 Tokens from all scheduled requests arrive flattened ([T] ids and positions), so each projection is one
 matrix product over the whole step. Query/key/value and gate/up projections are fused at load time.
+Every operator (projections, norms, rotary, activation, attention) comes from the platform's
+`OperatorTable`, so a device changes kernels without touching this file.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from heteroserve.model.arch import ModelArch
 from heteroserve.model.layers.attention import AttentionMetadata, paged_attention
 from heteroserve.model.layers.norm import RMSNorm
 from heteroserve.model.layers.rotary import RotaryEmbedding
-from heteroserve.platforms.interface import LinearOp
+from heteroserve.platforms.operators import OperatorTable
 
 
 def _weight(rows: int, cols: int) -> nn.Parameter:
@@ -23,9 +25,10 @@ def _weight(rows: int, cols: int) -> nn.Parameter:
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, linear: LinearOp) -> None:
+    def __init__(self, arch: ModelArch, ops: OperatorTable) -> None:
         super().__init__()
-        self.linear = linear
+        self.ops = ops
+        self.linear = ops.linear
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -34,8 +37,8 @@ class Attention(nn.Module):
             nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size), requires_grad=False) if arch.qkv_bias else None
         )
         self.o_proj = _weight(arch.hidden_size, self.q_size)
-        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, ops) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, ops) if arch.qk_norm else None
         self.scale = self.head_dim**-0.5
 
     def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -47,38 +50,38 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.ops)
         return self.linear(out.flatten(1), self.o_proj)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, linear: LinearOp) -> None:
+    def __init__(self, arch: ModelArch, ops: OperatorTable) -> None:
         super().__init__()
-        self.linear = linear
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, linear)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.ops = ops
+        self.linear = ops.linear
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.self_attn = Attention(arch, ops)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.gate_up_proj = _weight(2 * arch.intermediate_size, arch.hidden_size)
         self.down_proj = _weight(arch.hidden_size, arch.intermediate_size)
 
     def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        gate, up = self.linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, dim=-1)
-        return x + self.linear(F.silu(gate) * up, self.down_proj)
+        gate_up = self.linear(self.post_attention_layernorm(x), self.gate_up_proj)
+        return x + self.linear(self.ops.silu_and_mul(gate_up), self.down_proj)
 
 
 class DecoderModel(nn.Module):
-    def __init__(
-        self, arch: ModelArch, hf_config: PretrainedConfig, max_positions: int, linear: LinearOp | None = None
-    ) -> None:
+    def __init__(self, arch: ModelArch, hf_config: PretrainedConfig, max_positions: int, ops: OperatorTable) -> None:
         super().__init__()
         self.arch = arch
-        self.linear = linear or LinearOp()
+        self.ops = ops
+        self.linear = self.ops.linear
         self.embed_tokens = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(arch, self.linear) for _ in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(arch, self.ops) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.ops)
         self.lm_head = None if arch.tie_word_embeddings else _weight(arch.vocab_size, arch.hidden_size)
-        self.rotary = RotaryEmbedding(hf_config, arch.head_dim, max_positions)
+        self.rotary = RotaryEmbedding(hf_config, arch.head_dim, max_positions, self.ops)
 
     def prepare_weights(self) -> None:
         """Hands every projection weight to the linear kernel once (repacking); call after loading."""
@@ -89,10 +92,27 @@ class DecoderModel(nn.Module):
                 (layer, "gate_up_proj"),
                 (layer, "down_proj"),
             ):
-                setattr(owner, name, nn.Parameter(self.linear.prepare(getattr(owner, name).data), requires_grad=False))
+                self._prepare(owner, name, getattr(owner, name))
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         # A tied head gets its own prepared copy: the embedding lookup needs the plain layout.
-        self.lm_head = nn.Parameter(self.linear.prepare(head.data), requires_grad=False)
+        self._prepare(self, "lm_head", head)
+
+    def _prepare(self, owner: nn.Module, name: str, weight) -> None:
+        if isinstance(weight, torch.Tensor):
+            owner._parameters.pop(name, None)
+            setattr(owner, name, nn.Parameter(self.linear.prepare(weight.data), requires_grad=False))
+        else:  # a compressed weight object (heteroserve.quantization), kept as a plain attribute
+            owner._parameters.pop(name, None)
+            setattr(owner, name, self.linear.prepare(weight))
+
+    def weight_bytes(self) -> int:
+        """Bytes of all weights as stored (compressed ones at their compressed size)."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        for module in self.modules():
+            for value in vars(module).values():
+                if hasattr(value, "nbytes") and not isinstance(value, torch.Tensor):
+                    total += value.nbytes
+        return total
 
     def forward(
         self,

@@ -8,9 +8,24 @@ import platform as pyplatform
 import torch
 
 from heteroserve.config import DEFAULT_CPU_KV_CACHE_BYTES
-from heteroserve.platforms.interface import LinearOp, Platform
+from heteroserve.platforms.cpu_int4 import CpuInt4Weight
+from heteroserve.platforms.interface import Platform
+from heteroserve.platforms.operators import LinearOp
+from heteroserve.quantization.int4 import Int4Weight
 
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve", "sve2", "bf16")
+# Kernel flag -> the name people know; the flags that decide which kernels and dtypes are fast.
+ISA_NAMES = {
+    "avx2": "AVX2",
+    "avx512f": "AVX-512",
+    "avx512_bf16": "AVX512-BF16",
+    "amx_tile": "AMX",
+    "amx_bf16": "AMX-BF16",
+    "asimd": "NEON",
+    "sve": "SVE",
+    "sve2": "SVE2",
+    "bf16": "ARM-BF16",
+}
 
 
 def cpu_isa_flags() -> set[str]:
@@ -28,18 +43,58 @@ def cpu_isa_flags() -> set[str]:
     return {f for f in _ISA_FLAGS if f in flags}
 
 
+def isa_names(flags: set[str]) -> list[str]:
+    """The detected extensions by their usual names (AVX-512, AMX, NEON, SVE), in a fixed order."""
+    return [name for flag, name in ISA_NAMES.items() if flag in flags]
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory, from /proc/meminfo where there is one."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {key: int(value.split()[0]) * 1024 for key, _, value in (line.partition(":") for line in f)}
+        return fields["MemAvailable"], fields["MemTotal"]
+    except (OSError, KeyError, ValueError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
 class OneDnnLinear(LinearOp):
     """oneDNN with weights repacked once for its blocked layout: on a 2-core AVX-512 machine about 2x
-    eager torch.matmul at 1-64 rows and 1.3x at 512+ (bench/README.md)."""
+    eager torch.matmul at 1-64 rows and 1.3x at 512+ (bench/README.md). 4-bit weights go to torch's
+    int4 kernel where it has one (see CpuInt4Weight)."""
 
     name = "onednn-packed"
     PACK_ROWS = 64  # the batch size the layout is tuned for; other sizes work too
 
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
+    def __init__(self, int4_kernel: bool = False) -> None:
+        self.int4_kernel = int4_kernel
+
+    def prepare(self, weight):
+        if isinstance(weight, Int4Weight):
+            return CpuInt4Weight.pack(weight) if self.int4_kernel and weight.shape[0] % 64 == 0 else weight
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_ROWS)
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, CpuInt4Weight):
+            return weight.matmul(x, bias)
+        if isinstance(weight, Int4Weight):
+            return super().__call__(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _int4_kernel_works() -> bool:
+    """torch's CPU int4 kernel exists and packs in the layout CpuInt4Weight reads back."""
+    try:
+        q = torch.randint(0, 16, (64, 64), dtype=torch.int32)
+        w = Int4Weight.from_values(q, torch.rand(64, 2) + 0.5, torch.randn(64, 2), 32)
+        packed = CpuInt4Weight.pack(w)
+        if not torch.equal(packed.dequantize(), w.dequantize()):
+            return False
+        x = torch.randn(2, 64)
+        return torch.allclose(packed.matmul(x, None), x @ w.dequantize().T, rtol=2e-2, atol=2e-1)
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def _onednn_works(dtype: torch.dtype) -> bool:
@@ -64,6 +119,7 @@ class CpuPlatform(Platform):
         return True
 
     def __init__(self) -> None:
+        super().__init__()
         self.isa = cpu_isa_flags()
 
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -76,11 +132,20 @@ class CpuPlatform(Platform):
 
     def linear_op(self, dtype: torch.dtype, kernels: str = "auto") -> LinearOp:
         if kernels == "auto" and dtype in (torch.float32, torch.bfloat16) and _onednn_works(dtype):
-            return OneDnnLinear()
+            return OneDnnLinear(int4_kernel=_int4_kernel_works())
         return LinearOp()
 
     def kv_cache_budget_bytes(self, requested: int | None) -> int:
         return requested if requested is not None else DEFAULT_CPU_KV_CACHE_BYTES
+
+    def memory_info(self) -> tuple[int, int]:
+        return host_memory()
+
+    def synchronize(self) -> None:
+        """CPU kernels finish before they return."""
+
+    def empty_cache(self) -> None:
+        """The CPU allocator keeps no cache of its own."""
 
     def configure_process(self) -> None:
         threads = os.environ.get("HETEROSERVE_NUM_THREADS")
@@ -91,6 +156,7 @@ class CpuPlatform(Platform):
         return {
             **super().describe(),
             "machine": pyplatform.machine(),
-            "isa": sorted(self.isa),
+            "isa": isa_names(self.isa),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(),
         }

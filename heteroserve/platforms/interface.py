@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+from collections import Counter
+from types import ModuleType
+
 import torch
-import torch.nn.functional as F
+
+from heteroserve.platforms.operators import OPERATORS, Kernel, LinearOp, OperatorTable, means_unsupported
 
 DTYPES = {
     "float32": torch.float32,
@@ -14,24 +19,23 @@ DTYPES = {
 }
 
 
-class LinearOp:
-    """y = x W^T + b. `prepare` runs once per weight at load time (e.g. to repack it for a kernel)."""
-
-    name = "torch.linear"
-
-    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, weight, bias)
-
-
 class Platform:
-    """A device family. Subclasses override what differs; the engine never asks `if device == ...`."""
+    """A device family. Subclasses override what differs; the engine never asks `if device == ...`.
+
+    The defaults suit any device torch exposes as `torch.<device_type>` (cuda, npu, mlu, xpu): memory,
+    synchronisation and cache release go through that module; every operator runs the plain-torch reference
+    on the device. A subclass that calls `__init__` must call `super().__init__()` (the fallback counter)."""
 
     name: str = "base"
     device_type: str = "cpu"
-    dist_backend: str = "gloo"
+    dist_backend: str = "gloo"  # torch.distributed backend for this device's collectives
+    supports_graph_capture: bool = False  # the device can record a step as a graph (not used by the engine yet)
+    vendor_extension: str | None = None  # the vendor's torch extension distribution (torch_npu, ...)
+    unsupported_operators: frozenset[str] = frozenset()  # these run on the CPU (see operators.py)
+    memory_utilization: float = 0.9  # share of device memory the weights plus KV cache may take
+
+    def __init__(self) -> None:
+        self.operator_fallbacks: Counter[str] = Counter()  # calls that ran on the CPU, by operator
 
     @classmethod
     def is_available(cls) -> bool:
@@ -42,9 +46,17 @@ class Platform:
     def device(self) -> torch.device:
         return torch.device(self.device_type)
 
+    def device_module(self) -> ModuleType:
+        """`torch.cuda`, `torch.npu`, ...: the module a vendor extension registers for its device type."""
+        return torch.get_device_module(self.device_type)
+
     def supported_dtypes(self) -> list[torch.dtype]:
-        """Dtypes this device computes fast; others are replaced by float32 under dtype='auto'."""
+        """Dtypes this device computes fast; others are replaced by `default_dtype()` under dtype='auto'."""
         return [torch.float32]
+
+    def default_dtype(self) -> torch.dtype:
+        """The dtype used when the checkpoint's is not supported here."""
+        return torch.float32
 
     def resolve_dtype(self, requested: str, checkpoint_dtype: torch.dtype) -> torch.dtype:
         if requested != "auto":
@@ -53,21 +65,74 @@ class Platform:
                 names = ", ".join(str(d).removeprefix("torch.") for d in self.supported_dtypes())
                 raise ValueError(f"dtype {requested} is not supported on {self.name} (supported: {names})")
             return dtype
-        return checkpoint_dtype if checkpoint_dtype in self.supported_dtypes() else torch.float32
+        return checkpoint_dtype if checkpoint_dtype in self.supported_dtypes() else self.default_dtype()
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the device's memory."""
+        return self.device_module().mem_get_info()
+
+    def kv_cache_budget_bytes(self, requested: int | None) -> int:
+        """Bytes for the KV block pool: the user's figure, else what `memory_utilization` leaves free."""
+        if requested is not None:
+            return requested
+        free, total = self.memory_info()
+        in_use = total - free
+        return max(int(total * self.memory_utilization) - in_use, 0)
+
+    def synchronize(self) -> None:
+        """Waits for queued device work (for timing)."""
+        self.device_module().synchronize()
+
+    def empty_cache(self) -> None:
+        """Returns cached, unused device memory to the driver."""
+        self.device_module().empty_cache()
+
+    def manual_seed(self, seed: int) -> None:
+        """Seeds the host and every device generator torch knows (vendor devices register theirs)."""
+        torch.manual_seed(seed)
+
+    def configure_process(self) -> None:
+        """Per-process setup such as thread counts; called once before the model loads."""
 
     def linear_op(self, dtype: torch.dtype, kernels: str = "auto") -> LinearOp:
         """The matrix-product kernel for weights of this dtype; `kernels="reference"` asks for plain torch."""
         return LinearOp()
 
-    def kv_cache_budget_bytes(self, requested: int | None) -> int:
-        """Bytes for the KV block pool when the user gave none (or the user's figure, checked)."""
-        raise NotImplementedError
+    def operator_kernels(self, dtype: torch.dtype, kernels: str = "auto") -> dict[str, Kernel]:
+        """The device's kernel per operator name; a name left out runs on the CPU. Vendor platforms add their
+        fused kernels here when `kernels == "auto"`; the default is the torch reference on the device."""
+        return {name: spec.reference for name, spec in OPERATORS.items() if name not in self.unsupported_operators}
 
-    def configure_process(self) -> None:
-        """Per-process setup such as thread counts; called once before the model loads."""
+    def is_unsupported_error(self, exc: BaseException) -> bool:
+        """Whether a kernel's exception means "this device cannot do that" (then the CPU runs it)."""
+        return means_unsupported(exc)
 
-    def synchronize(self) -> None:
-        """Waits for queued device work (for timing)."""
+    def operator_table(self, dtype: torch.dtype, kernels: str = "auto") -> OperatorTable:
+        """What the model calls; its CPU fallbacks are counted in `self.operator_fallbacks`."""
+        return OperatorTable(
+            self.linear_op(dtype, kernels),
+            self.operator_kernels(dtype, kernels),
+            self.operator_fallbacks,
+            self.is_unsupported_error,
+        )
+
+    @classmethod
+    def vendor_version(cls) -> str | None:
+        """The installed version of the vendor's torch extension, read without importing it."""
+        if cls.vendor_extension is None:
+            return None
+        try:
+            return importlib.metadata.version(cls.vendor_extension)
+        except importlib.metadata.PackageNotFoundError:
+            return None
 
     def describe(self) -> dict[str, object]:
-        return {"platform": self.name, "device": str(self.device), "torch": torch.__version__}
+        info: dict[str, object] = {
+            "platform": self.name,
+            "device": str(self.device),
+            "torch": torch.__version__,
+            "dist_backend": self.dist_backend,
+        }
+        if self.vendor_extension is not None:
+            info[self.vendor_extension] = self.vendor_version()
+        return info

@@ -20,7 +20,7 @@ CHAT_PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "请把这句话翻译成英文：我喜欢学习。"}],
 ]
-ENGINE_KWARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 128 * 1024**2}
+ENGINE_KWARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 128 * 1024**2, "quantization": "none"}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_scheduling_variants(label, kwargs, prompts, references, greedy_comparis
 
 def test_preemption_by_recompute(prompts, references, greedy_comparison):
     """A pool of 8 blocks x 16 tokens cannot hold all requests: they are preempted and recomputed."""
-    llm = LLM(max_model_len=128, num_kv_blocks=8, max_num_batched_tokens=64)
+    llm = LLM(max_model_len=128, num_kv_blocks=8, max_num_batched_tokens=64, quantization="none")
     outputs = _generate(llm, prompts)
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.scheduler.kv_cache.pool.num_free_blocks == 8

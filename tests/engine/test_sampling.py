@@ -14,7 +14,7 @@ PROMPT = "Write a short poem about the sea:"
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(max_model_len=256, kv_cache_memory_bytes=64 * 1024**2, seed=1)
+    return LLM(max_model_len=256, kv_cache_memory_bytes=64 * 1024**2, seed=1, quantization="none")
 
 
 @pytest.fixture(scope="module")

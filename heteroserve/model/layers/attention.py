@@ -1,4 +1,4 @@
-"""Paged attention in plain PyTorch: the reference that runs on any torch device.
+"""Paged attention: the cache layout, the per-step metadata, and the order of the platform's operators.
 
 The KV cache of a layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]; token t of a
 request lives in block `block_table[t // block_size]` at offset `t % block_size`. The flattened batch
@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
+
+from heteroserve.platforms.operators import OperatorTable
 
 
 @dataclass
@@ -75,15 +76,14 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    ops: OperatorTable,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D]. Writes k, v into the cache, returns [T, Hq, D]."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.num_decodes:
         b = meta.num_decodes
-        out[:b] = _decode(q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale)
+        out[:b] = ops.decode_attention(q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_start + chunk.num_queries)
         if chunk.start_pos == 0:
@@ -92,24 +92,5 @@ def paged_attention(
             context = chunk.start_pos + chunk.num_queries
             keys = k_cache.index_select(0, chunk.block_ids).flatten(0, 1)[:context]
             values = v_cache.index_select(0, chunk.block_ids).flatten(0, 1)[:context]
-        out[rows] = _prefill(q[rows], keys, values, chunk.mask, scale)
+        out[rows] = ops.prefill_attention(q[rows], keys, values, chunk.mask, scale)
     return out
-
-
-def _decode(q, k_cache, v_cache, block_tables, mask, scale) -> torch.Tensor:
-    b, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    shape = (b, -1, num_kv_heads, head_dim)
-    keys = k_cache.index_select(0, block_tables.flatten()).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_cache.index_select(0, block_tables.flatten()).view(shape).transpose(1, 2)
-    q = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)  # query head h uses kv head h // group
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    return out.reshape(b, num_heads, head_dim)
-
-
-def _prefill(q, keys, values, mask, scale) -> torch.Tensor:
-    q, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-    out = F.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-    )
-    return out[0].transpose(0, 1)

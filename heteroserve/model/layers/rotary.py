@@ -1,4 +1,4 @@
-"""Rotary position embedding with a precomputed cos/sin table indexed by position."""
+"""Rotary position embedding: a precomputed cos/sin table, applied by the platform's `rotary` operator."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from heteroserve.platforms.operators import OperatorTable
 
 
 def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -21,8 +23,9 @@ def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, ops: OperatorTable) -> None:
         super().__init__()
+        self.ops = ops
         inv_freq, scale = inverse_frequencies(config, head_dim)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -31,11 +34,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D]; rotate-half convention (Hugging Face layout)."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return self.ops.rotary(positions, q, k, self.cos, self.sin)

@@ -17,7 +17,7 @@ from heteroserve.model.decoder import DecoderModel
 from heteroserve.model.loader.gguf_loader import gguf_config, iterate_gguf, open_gguf
 from heteroserve.model.loader.safetensors_loader import iterate_safetensors
 from heteroserve.model.loader.source import ModelSource, resolve_model
-from heteroserve.model.loader.weights import load_weights
+from heteroserve.model.loader.weights import load_weights, quantize_projections
 from heteroserve.platforms import Platform
 
 logger = logging.getLogger(__name__)
@@ -48,29 +48,37 @@ class LoadedModel:
 
 def load_model(config: ModelConfig, platform: Platform, kernels: str = "auto") -> LoadedModel:
     source = resolve_model(config.model)
+    quantization = config.quantization
     if source.gguf_file is not None:
+        if quantization == "int4":
+            raise ValueError("--quantization int4 is for float checkpoints; this GGUF file is already quantised")
         reader = open_gguf(source.gguf_file)
         hf_config = gguf_config(reader)
-        checkpoint_dtype = torch.float32  # dequantised
-        tensors = iterate_gguf(reader, hf_config)
+        checkpoint_dtype = torch.float32  # of the tensors that are dequantised
+        tensors = iterate_gguf(reader, hf_config, keep_quantized=quantization != "none")
     else:
+        if quantization == "gguf":
+            raise ValueError(f"--quantization gguf does not match {source.folder}: it is not a GGUF file")
         try:
             hf_config = AutoConfig.from_pretrained(source.folder)
         except (ValueError, OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{source.folder}/config.json is not a usable model config: {exc}") from exc
         checkpoint_dtype = _config_dtype(hf_config)
         tensors = iterate_safetensors(source.folder)
+        if quantization == "int4":
+            tensors = quantize_projections(tensors)
     arch = ModelArch.from_hf_config(hf_config)
     dtype = platform.resolve_dtype(config.dtype, checkpoint_dtype)
     max_model_len = config.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's %d positions", max_model_len, arch.max_position_embeddings)
-    linear = platform.linear_op(dtype, kernels)
-    model = DecoderModel(arch, hf_config, max(max_model_len, arch.max_position_embeddings), linear)
+    ops = platform.operator_table(dtype, kernels)
+    model = DecoderModel(arch, hf_config, max(max_model_len, arch.max_position_embeddings), ops)
     load_weights(model, tensors, dtype)
     model.to(platform.device).eval()
     model.prepare_weights()
-    logger.info("linear kernel: %s", linear.name)
+    logger.info("weights: %.1f MiB as stored", model.weight_bytes() / 2**20)
+    logger.info("kernels on %s: %s", platform.name, ", ".join(f"{k}={v}" for k, v in ops.describe().items()))
 
     tokenizer = load_tokenizer(source)
     eos = tokenizer.eos_token_id if tokenizer is not None else None

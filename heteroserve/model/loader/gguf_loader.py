@@ -16,6 +16,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from transformers import AutoConfig, PretrainedConfig
 
+from heteroserve.quantization.int4 import Int4Weight
+
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 _PERMUTED_QK = {"llama", "mistral"}
 
@@ -99,9 +101,56 @@ def _unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def iterate_gguf(reader: GGUFReader, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+# GGML 4-bit block layouts (32 weights a block): Q4_0 = fp16 d, 16 bytes of nibbles; Q4_1 = fp16 d, fp16 m, nibbles.
+# Byte j of the nibbles holds weight j (low nibble) and weight j + 16 (high nibble).
+_INT4_BLOCKS = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
+# Tensors a matrix product reads; the token embedding is looked up by row and stays in float.
+_LINEAR_SUFFIXES = (
+    "attn_q.weight",
+    "attn_k.weight",
+    "attn_v.weight",
+    "attn_output.weight",
+    "ffn_gate.weight",
+    "ffn_up.weight",
+    "ffn_down.weight",
+    "output.weight",
+)
+
+
+def gguf_int4(tensor) -> Int4Weight:
+    """A Q4_0 / Q4_1 tensor as an Int4Weight, without going through float."""
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    block_bytes = _INT4_BLOCKS[qtype]
+    rows = int(tensor.shape[1])
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, block_bytes)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == GGMLQuantizationType.Q4_0:
+        nibbles, zero = blocks[..., 2:], np.zeros_like(d)
+    else:
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        nibbles, zero = blocks[..., 4:], m + 8 * d
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, -1)
+    return Int4Weight.from_values(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero), 32)
+
+
+def is_int4(tensor) -> bool:
+    return GGMLQuantizationType(tensor.tensor_type) in _INT4_BLOCKS and tensor.name.endswith(_LINEAR_SUFFIXES)
+
+
+def iterate_gguf(
+    reader: GGUFReader, config: PretrainedConfig, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+    """HF-named weights; with `keep_quantized`, Q4_0/Q4_1 linear weights stay 4-bit (others are dequantised)."""
     arch = _field(reader, "general.architecture")
     for tensor in reader.tensors:
+        if keep_quantized and is_int4(tensor):
+            weight = gguf_int4(tensor)
+            if arch in _PERMUTED_QK and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+                heads = config.num_attention_heads if "attn_q" in tensor.name else config.num_key_value_heads
+                order = _unpermute_rotary_rows(np.arange(weight.shape[0]), heads)
+                weight = weight.permute_rows(torch.from_numpy(order.copy()))
+            yield _hf_name(tensor.name), weight
+            continue
         try:
             qtype = GGMLQuantizationType(tensor.tensor_type)
             values = dequantize(tensor.data, qtype)

@@ -1,0 +1,176 @@
+"""The operator table: the kernels the model calls, chosen by the platform, with a CPU fallback.
+
+Model code never calls a device kernel directly: it calls `ops.rms_norm(...)` and so on, and the table
+runs the platform's kernel. When the platform has no kernel for an operator, or its kernel says it
+cannot handle the call (NotImplementedError, or a device error that means "unsupported"), the plain-torch
+reference runs on the CPU and the result moves back to the device. That keeps a new device usable before
+every kernel exists; each fallback is logged once per operator and counted for the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from heteroserve.platforms import reference_ops
+from heteroserve.quantization.int4 import Int4Weight
+
+logger = logging.getLogger(__name__)
+
+Kernel = Callable[..., object]
+CPU_FALLBACK = "cpu fallback"
+_UNSUPPORTED_MESSAGE = re.compile(r"not implemented|not supported|unsupported", re.IGNORECASE)
+
+
+class LinearOp:
+    """y = x W^T + b. `prepare` runs once per weight at load time (e.g. to repack it for a kernel).
+
+    Not in the fallback table: a kernel that repacks weights owns their layout, which the CPU reference
+    could not read. Every torch device has a matrix product, so the plain one is always there."""
+
+    name = "torch.linear"
+
+    def prepare(self, weight: torch.Tensor | Int4Weight) -> torch.Tensor | Int4Weight:
+        return weight
+
+    def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, Int4Weight):  # the reference for 4-bit weights: dequantise on the fly
+            return F.linear(x, weight.dequantize(x.dtype), bias)
+        return F.linear(x, weight, bias)
+
+
+@dataclass(frozen=True)
+class OperatorSpec:
+    reference: Kernel
+    mutates: tuple[int, ...] = ()  # positional arguments written in place: copied back after a CPU fallback
+
+
+OPERATORS: dict[str, OperatorSpec] = {
+    "rms_norm": OperatorSpec(reference_ops.rms_norm),
+    "rotary": OperatorSpec(reference_ops.rotary),
+    "silu_and_mul": OperatorSpec(reference_ops.silu_and_mul),
+    "write_kv": OperatorSpec(reference_ops.write_kv, mutates=(2, 3)),
+    "prefill_attention": OperatorSpec(reference_ops.prefill_attention),
+    "decode_attention": OperatorSpec(reference_ops.decode_attention),
+}
+
+
+def means_unsupported(exc: BaseException) -> bool:
+    """torch reports a missing backend kernel as NotImplementedError; vendor stacks often as RuntimeError."""
+    if isinstance(exc, NotImplementedError):
+        return True
+    return isinstance(exc, RuntimeError) and _UNSUPPORTED_MESSAGE.search(str(exc)) is not None
+
+
+def kernel_name(kernel: Kernel) -> str:
+    explicit = getattr(kernel, "kernel_name", None)
+    if explicit:
+        return explicit
+    qualname = getattr(kernel, "__qualname__", type(kernel).__qualname__)
+    module = getattr(kernel, "__module__", "") or ""
+    if module == reference_ops.__name__:
+        return "torch reference"
+    return f"{module}.{qualname}" if module else qualname
+
+
+class OperatorTable:
+    """Named operators for the model; `fallbacks` counts calls that ran on the CPU, by operator."""
+
+    def __init__(
+        self,
+        linear: LinearOp,
+        kernels: Mapping[str, Kernel],
+        fallbacks: Counter[str] | None = None,
+        is_unsupported: Callable[[BaseException], bool] = means_unsupported,
+    ) -> None:
+        unknown = set(kernels) - set(OPERATORS)
+        if unknown:
+            raise ValueError(f"unknown operators {sorted(unknown)}; known: {', '.join(OPERATORS)}")
+        self.linear = linear
+        self.kernels = dict(kernels)
+        self.fallbacks = fallbacks if fallbacks is not None else Counter()
+        self.is_unsupported = is_unsupported
+        self._logged: set[str] = set()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.call("rms_norm", x, weight, eps)
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.call("rotary", positions, q, k, cos, sin)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.call("silu_and_mul", x)
+
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        self.call("write_kv", k, v, k_cache, v_cache, slots)
+
+    def prefill_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
+        return self.call("prefill_attention", q, keys, values, mask, scale)
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        mask: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return self.call("decode_attention", q, k_cache, v_cache, block_tables, mask, scale)
+
+    def call(self, name: str, *args):
+        kernel = self.kernels.get(name)
+        if kernel is not None:
+            try:
+                return kernel(*args)
+            except (NotImplementedError, RuntimeError) as exc:
+                if not self.is_unsupported(exc):
+                    raise
+                self._note_fallback(name, f"its kernel raised {type(exc).__name__}: {exc}")
+        else:
+            self._note_fallback(name, "the platform has no kernel for it")
+        return self._on_cpu(name, args)
+
+    def _note_fallback(self, name: str, why: str) -> None:
+        self.fallbacks[name] += 1
+        if name not in self._logged:
+            self._logged.add(name)
+            logger.warning("operator %s runs on the CPU (reference implementation): %s", name, why)
+
+    def _on_cpu(self, name: str, args: tuple):
+        spec = OPERATORS[name]
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        cpu_args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+        result = spec.reference(*cpu_args)
+        for i in spec.mutates:
+            if cpu_args[i] is not args[i]:
+                args[i].copy_(cpu_args[i])
+        return _to_device(result, device)
+
+    def describe(self) -> dict[str, str]:
+        """The kernel each operator runs ('cpu fallback' where the platform has none)."""
+        names = {"linear": self.linear.name}
+        for name in OPERATORS:
+            kernel = self.kernels.get(name)
+            names[name] = CPU_FALLBACK if kernel is None else kernel_name(kernel)
+        return names
+
+
+def _to_device(result, device: torch.device):
+    if isinstance(result, torch.Tensor):
+        return result.to(device)
+    if isinstance(result, tuple):
+        return tuple(_to_device(r, device) for r in result)
+    return result

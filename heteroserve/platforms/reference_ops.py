@@ -1,0 +1,77 @@
+"""The operators the model calls, in plain torch: every platform's baseline and the CPU fallback.
+
+These are the numerics the tests check against transformers; a device kernel must agree with them.
+Shapes use the flattened batch: T tokens, Hq query heads, Hkv key/value heads, head size D.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalised in float32 like the reference implementations, scaled in the input dtype."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq, D], k: [T, Hkv, D]; cos, sin: [max_positions, D] tables; rotate-half (Hugging Face) layout."""
+    cos = cos[positions].to(q.dtype).unsqueeze(1)
+    sin = sin[positions].to(q.dtype).unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] along the last dimension (the fused projection); returns silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Stores token i's k, v at cache slot slot_mapping[i]; caches are [blocks, block_size, Hkv, D]."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per request: q [B, Hq, D] over its blocks (block_tables [B, max_blocks]); mask True = attend."""
+    b, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    shape = (b, -1, num_kv_heads, head_dim)
+    keys = k_cache.index_select(0, block_tables.flatten()).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_cache.index_select(0, block_tables.flatten()).view(shape).transpose(1, 2)
+    q = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)  # query head h uses kv head h // group
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(b, num_heads, head_dim)
+
+
+def prefill_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """One chunk: q [n, Hq, D] over keys/values [context, Hkv, D]; mask None means causal over the chunk."""
+    q, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+    out = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)

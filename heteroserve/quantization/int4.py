@@ -1,0 +1,78 @@
+"""4-bit weights with a scale and a zero per group of input columns, kept compressed in memory.
+
+w[n, k] = (q[n, k] - 8) * scale[n, k // group] + zero[n, k // group],  q in 0..15.
+
+That form covers symmetric formats (zero = 0, e.g. GGUF Q4_0) and asymmetric ones (GGUF Q4_1:
+w = d q + m, so scale = d and zero = m + 8 d). Two values share a byte: even k in the low nibble.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Int4Weight:
+    packed: torch.Tensor  # uint8 [N, K / 2]
+    scale: torch.Tensor  # float32 [N, K / group]
+    zero: torch.Tensor  # float32 [N, K / group]
+    group_size: int
+
+    @classmethod
+    def from_values(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> Int4Weight:
+        """q: integer tensor [N, K] with values 0..15."""
+        n, k = q.shape
+        if k % group_size or k % 2 or scale.shape != (n, k // group_size) or zero.shape != scale.shape:
+            raise ValueError(
+                f"int4 weight of shape {(n, k)} does not fit group size {group_size} / scale shape {tuple(scale.shape)}"
+            )
+        q = q.to(torch.uint8)
+        packed = q[:, 0::2] | (q[:, 1::2] << 4)
+        return cls(packed.contiguous(), scale.float().contiguous(), zero.float().contiguous(), group_size)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.zero))
+
+    def values(self) -> torch.Tensor:
+        """The 4-bit integers as uint8 [N, K]."""
+        low, high = self.packed & 15, self.packed >> 4
+        return torch.stack((low, high), dim=-1).flatten(1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        n, k = self.shape
+        groups = self.values().view(n, k // self.group_size, self.group_size).float()
+        w = (groups - 8) * self.scale[..., None] + self.zero[..., None]
+        return w.view(n, k).to(dtype)
+
+    def permute_rows(self, order: torch.Tensor) -> Int4Weight:
+        return Int4Weight(self.packed[order], self.scale[order], self.zero[order], self.group_size)
+
+    @staticmethod
+    def cat(parts: list[Int4Weight]) -> Int4Weight:
+        """Stacks output rows (used to fuse q/k/v and gate/up projections)."""
+        sizes = {p.group_size for p in parts}
+        if len(sizes) != 1:
+            raise ValueError(f"cannot fuse int4 weights with different group sizes {sorted(sizes)}")
+        return Int4Weight(
+            torch.cat([p.packed for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.zero for p in parts]),
+            sizes.pop(),
+        )
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> Int4Weight:
+    """Round-to-nearest asymmetric int4 per group (for `--quantization int4` on float checkpoints)."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // group_size, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp(min=1e-8)
+    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15)
+    return Int4Weight.from_values(q.view(n, k), scale, low + 8 * scale, group_size)

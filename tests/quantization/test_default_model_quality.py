@@ -1,0 +1,55 @@
+"""The default model run 4-bit (its Q4_1 GGUF as shipped) against the same model dequantised to float32."""
+
+from __future__ import annotations
+
+import math
+
+from heteroserve import LLM, SamplingParams
+from heteroserve.bench.workload import prompt_ids
+
+NUM_PROMPTS, PROMPT_LEN, CONTINUATION = 6, 64, 32
+
+
+def _argmax_and_nll(output) -> tuple[list[int], list[float]]:
+    """Per position: the model's top token and the negative log-likelihood of the actual token."""
+    tops, nll = [], []
+    for token, entry in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:], strict=True):
+        tops.append(next(t for t, lp in entry.items() if lp.rank == 1))
+        nll.append(-entry[token].logprob)
+    return tops, nll
+
+
+def test_quantized_argmax_agrees_under_teacher_forcing(default_llm, default_tokenizer, capsys):
+    texts = [prompt_ids(default_tokenizer.encode, i, PROMPT_LEN) for i in range(NUM_PROMPTS)]
+    greedy = SamplingParams(temperature=0, max_tokens=CONTINUATION, ignore_eos=True)
+    sequences = [
+        p + o.outputs[0].token_ids
+        for p, o in zip(
+            texts, default_llm.generate([{"prompt_token_ids": p} for p in texts], greedy, use_tqdm=False), strict=True
+        )
+    ]
+    # 16-token chunks: every position goes through the 4-bit kernel's small-batch path, as decoding does.
+    quantized = LLM(max_model_len=512, kv_cache_memory_bytes=64 * 1024**2, max_num_batched_tokens=16)
+    score = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    runs = {
+        "float32": default_llm.generate([{"prompt_token_ids": s} for s in sequences], score, use_tqdm=False),
+        "q4_1": quantized.generate([{"prompt_token_ids": s} for s in sequences], score, use_tqdm=False),
+    }
+    agree = total = 0
+    nll: dict[str, list[float]] = {"float32": [], "q4_1": []}
+    for reference, ours in zip(runs["float32"], runs["q4_1"], strict=True):
+        ref_top, ref_nll = _argmax_and_nll(reference)
+        our_top, our_nll = _argmax_and_nll(ours)
+        agree += sum(a == b for a, b in zip(ref_top, our_top, strict=True))
+        total += len(ref_top)
+        nll["float32"] += ref_nll[: PROMPT_LEN - 1]  # perplexity on the workload text itself
+        nll["q4_1"] += our_nll[: PROMPT_LEN - 1]
+    rate = agree / total
+    perplexity = {name: math.exp(sum(v) / len(v)) for name, v in nll.items()}
+    with capsys.disabled():
+        print(
+            f"\n4-bit vs float32 under teacher forcing: argmax agrees on {rate:.1%} of {total} positions; "
+            f"perplexity on the workload text: float32 {perplexity['float32']:.3f}, q4_1 {perplexity['q4_1']:.3f}"
+        )
+    assert rate >= 0.95
+    assert perplexity["q4_1"] < 1.2 * perplexity["float32"]
