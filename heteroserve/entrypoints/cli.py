@@ -8,6 +8,7 @@ import sys
 
 from heteroserve.bench.commands import add_bench_parser
 from heteroserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from heteroserve.entrypoints.gateway import add_gateway_args
 from heteroserve.entrypoints.openai.api_server import add_server_args
 
 DEMO_QUESTION = "What is the capital of France?"
@@ -52,6 +53,18 @@ def _serve(args: argparse.Namespace) -> None:
     run_server(args)
 
 
+def _gateway(args: argparse.Namespace) -> None:
+    from heteroserve.entrypoints.gateway import run_gateway
+
+    run_gateway(args)
+
+
+def _env(args: argparse.Namespace) -> None:
+    from heteroserve.entrypoints.env_report import print_env
+
+    print_env(args.device, args.json)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="heteroserve", description="LLM inference on any torch device")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +85,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     add_server_args(serve)
     serve.set_defaults(handler=_serve)
+    gateway = commands.add_parser(
+        "gateway",
+        help="one OpenAI-compatible endpoint in front of several back ends",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_gateway_args(gateway)
+    gateway.set_defaults(handler=_gateway)
+    env = commands.add_parser("env", help="platforms, versions, CPU features and kernels of this machine")
+    env.add_argument("--device", default="auto", help="the platform to describe in detail ($HETEROSERVE_DEVICE)")
+    env.add_argument("--json", action="store_true", help="machine-readable output")
+    env.set_defaults(handler=_env)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "chat" and args.max_model_len is None:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from heteroserve.platforms import reference_ops
 from heteroserve.quantization.int4 import Int4Weight
+from heteroserve.quantization.int8 import Int8Weight
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +37,11 @@ class LinearOp:
 
     name = "torch.linear"
 
-    def prepare(self, weight: torch.Tensor | Int4Weight) -> torch.Tensor | Int4Weight:
+    def prepare(self, weight: torch.Tensor | Int4Weight | Int8Weight) -> torch.Tensor | Int4Weight | Int8Weight:
         return weight
 
     def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(weight, Int4Weight):  # the reference for 4-bit weights: dequantise on the fly
+        if isinstance(weight, (Int4Weight, Int8Weight)):  # the reference for compressed weights: dequantise
             return F.linear(x, weight.dequantize(x.dtype), bias)
         return F.linear(x, weight, bias)
 

@@ -1,4 +1,4 @@
-"""Starts a real `heteroserve serve` process on 127.0.0.1 for tests, and stops it."""
+"""Starts real server processes on 127.0.0.1 for tests (`heteroserve serve` and others), and stops them."""
 
 from __future__ import annotations
 
@@ -18,24 +18,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    def __init__(self, *args: str, startup_timeout: float = 180) -> None:
-        self.port = free_port()
+class ChildServer:
+    """A process serving HTTP on 127.0.0.1:`port`, started by `command` and ready when `ready_path`
+    answers 200. Its output goes to /tmp/heteroserve-test-{name}-{port}.log."""
+
+    def __init__(
+        self,
+        command: list[str],
+        port: int,
+        name: str,
+        ready_path: str = "/health/ready",
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 180,
+    ) -> None:
+        self.port = port
         self.base_url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
-        command = [
-            sys.executable,
-            "-m",
-            "heteroserve.entrypoints.openai.api_server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--uvicorn-log-level",
-            "warning",
-            *args,
-        ]
-        self.log = open(f"/tmp/heteroserve-test-server-{self.port}.log", "w")  # noqa: SIM115 - closed in stop()
+        self.ready_path = ready_path
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **(env or {})}
+        self.log = open(f"/tmp/heteroserve-test-{name}-{self.port}.log", "w")  # noqa: SIM115 - closed in stop()
         self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self._wait_ready(startup_timeout)
 
@@ -45,19 +45,20 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"server exited with {self.process.returncode}; see {self.log.name}")
             try:
-                if httpx.get(f"{self.base_url}/health/ready", timeout=2).status_code == 200:
+                if httpx.get(f"{self.base_url}{self.ready_path}", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"server not ready after {timeout} s; see {self.log.name}")
 
-    def metric(self, name: str) -> float:
-        """Sum of a metric's samples in /metrics."""
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a metric's samples in /metrics (those carrying all of `labels`)."""
         total = 0.0
+        wanted = [f'{k}="{v}"' for k, v in labels.items()]
         for line in httpx.get(f"{self.base_url}/metrics").text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
+            if (line.startswith(name + "{") or line.startswith(name + " ")) and all(w in line for w in wanted):
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
@@ -69,3 +70,25 @@ class ServerProcess:
             self.process.kill()
             self.process.wait(10)
         self.log.close()
+
+
+class ServerProcess(ChildServer):
+    """`heteroserve serve ARGS` on a free port (or `port`)."""
+
+    def __init__(
+        self, *args: str, port: int | None = None, env: dict[str, str] | None = None, startup_timeout: float = 180
+    ) -> None:
+        port = port or free_port()
+        command = [
+            sys.executable,
+            "-m",
+            "heteroserve.entrypoints.openai.api_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--uvicorn-log-level",
+            "warning",
+            *args,
+        ]
+        super().__init__(command, port, "server", env=env, startup_timeout=startup_timeout)

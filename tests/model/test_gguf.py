@@ -169,7 +169,14 @@ def test_gguf_matches_transformers(gguf_model, greedy_comparison):
                 assert torch.equal(loaded[tensor_name], tensor), tensor_name
 
     vocab = model.config.vocab_size
-    llm = LLM(model=str(path), dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=32, block_size=8)
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=32,
+        block_size=8,
+        quantization="none",
+    )
     assert llm.get_tokenizer() is None  # no tokenizer metadata: token ids only
     hf_config = llm.engine.hf_config
     assert hf_config.model_type == model.config.model_type
@@ -192,7 +199,8 @@ def _check(label, outputs, token_prompts, reference, comparison) -> None:
 
 
 def _load(path: Path | str) -> LLM:
-    return LLM(model=str(path), dtype="float32", max_model_len=64, num_kv_blocks=8)
+    """Dequantised to float32, as transformers loads a GGUF (4/8-bit execution: tests/quantization)."""
+    return LLM(model=str(path), dtype="float32", max_model_len=64, num_kv_blocks=8, quantization="none")
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from gguf.quants import dequantize
 from transformers import AutoConfig, PretrainedConfig
 
 from heteroserve.quantization.int4 import Int4Weight
+from heteroserve.quantization.int8 import Int8Weight
 
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 _PERMUTED_QK = {"llama", "mistral"}
@@ -133,6 +134,19 @@ def gguf_int4(tensor) -> Int4Weight:
     return Int4Weight.from_values(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero), 32)
 
 
+def gguf_int8(tensor) -> Int8Weight:
+    """A Q8_0 tensor (per 32 weights: fp16 d, then 32 int8) as an Int8Weight."""
+    rows = int(tensor.shape[1])
+    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
+    return Int8Weight(torch.from_numpy(q), torch.from_numpy(d), 32)
+
+
+def is_int8_embedding(tensor) -> bool:
+    return GGMLQuantizationType(tensor.tensor_type) == GGMLQuantizationType.Q8_0 and tensor.name == "token_embd.weight"
+
+
 def is_int4(tensor) -> bool:
     return GGMLQuantizationType(tensor.tensor_type) in _INT4_BLOCKS and tensor.name.endswith(_LINEAR_SUFFIXES)
 
@@ -140,7 +154,8 @@ def is_int4(tensor) -> bool:
 def iterate_gguf(
     reader: GGUFReader, config: PretrainedConfig, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
-    """HF-named weights; with `keep_quantized`, Q4_0/Q4_1 linear weights stay 4-bit (others are dequantised)."""
+    """HF-named weights; with `keep_quantized`, Q4_0/Q4_1 linear weights stay 4-bit and a Q8_0 token embedding
+    stays 8-bit (everything else is dequantised)."""
     arch = _field(reader, "general.architecture")
     for tensor in reader.tensors:
         if keep_quantized and is_int4(tensor):
@@ -150,6 +165,9 @@ def iterate_gguf(
                 order = _unpermute_rotary_rows(np.arange(weight.shape[0]), heads)
                 weight = weight.permute_rows(torch.from_numpy(order.copy()))
             yield _hf_name(tensor.name), weight
+            continue
+        if keep_quantized and is_int8_embedding(tensor):
+            yield _hf_name(tensor.name), gguf_int8(tensor)
             continue
         try:
             qtype = GGMLQuantizationType(tensor.tensor_type)

@@ -8,6 +8,7 @@ import torch
 
 from heteroserve.model.decoder import DecoderModel
 from heteroserve.quantization.int4 import Int4Weight, quantize_int4
+from heteroserve.quantization.int8 import Int8Weight
 
 _PROJECTIONS = (
     "q_proj.weight",
@@ -19,7 +20,7 @@ _PROJECTIONS = (
     "down_proj.weight",
 )
 
-Weight = torch.Tensor | Int4Weight
+Weight = torch.Tensor | Int4Weight | Int8Weight
 
 
 def quantize_projections(tensors: Iterable[tuple[str, Weight]], group_size: int = 32):
@@ -48,13 +49,13 @@ def load_weights(model: DecoderModel, tensors: Iterable[tuple[str, Weight]], dty
         tensor = found.pop(name)
         if tuple(tensor.shape) != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
-        return tensor if isinstance(tensor, Int4Weight) else tensor.to(dtype)
+        return tensor.to(dtype) if isinstance(tensor, torch.Tensor) else tensor  # compressed ones stay so
 
     def put(param: torch.nn.Parameter, value: torch.Tensor) -> None:
         param.data = value.contiguous()
 
     def put_linear(owner: torch.nn.Module, attr: str, value: Weight) -> None:
-        if isinstance(value, Int4Weight):
+        if not isinstance(value, torch.Tensor):
             del owner._parameters[attr]
             setattr(owner, attr, value)
         else:
@@ -62,7 +63,7 @@ def load_weights(model: DecoderModel, tensors: Iterable[tuple[str, Weight]], dty
 
     h, d = arch.hidden_size, arch.head_dim
     q_rows, kv_rows, inter = arch.num_heads * d, arch.num_kv_heads * d, arch.intermediate_size
-    put(model.embed_tokens, take("model.embed_tokens.weight", (arch.vocab_size, h)))
+    put_linear(model, "embed_tokens", take("model.embed_tokens.weight", (arch.vocab_size, h)))
     put(model.norm.weight, take("model.norm.weight", (h,)))
     if model.lm_head is not None:
         put_linear(model, "lm_head", take("lm_head.weight", (arch.vocab_size, h)))

@@ -1,0 +1,154 @@
+"""The gateway's HTTP app: OpenAI-compatible routes in front of the back ends, probes, metrics, the chat
+page, and the config reload on SIGHUP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from heteroserve import web
+from heteroserve.entrypoints.gateway.backends import check_all
+from heteroserve.entrypoints.gateway.config import ConfigError, load_config
+from heteroserve.entrypoints.gateway.metrics import GatewayMetrics
+from heteroserve.entrypoints.gateway.proxy import Proxy
+from heteroserve.entrypoints.gateway.router import Router
+from heteroserve.entrypoints.openai.errors import APIError
+
+logger = logging.getLogger("heteroserve.gateway")
+
+
+class Gateway:
+    """The live config and router. A reload swaps both in one step; requests already forwarded keep the
+    back-end objects they hold, so nothing in flight is dropped."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = path
+        self.config = load_config(path)
+        self.router = Router(self.config)
+
+    def reload(self) -> None:
+        try:
+            config = load_config(self.path)
+        except ConfigError as exc:
+            logger.error("reload refused, keeping the running config: %s", exc)
+            return
+        self.router, self.config = Router(config, self.router.backends), config
+        logger.info("config reloaded: %d back ends, %d routes", len(config.backends), len(config.routes))
+
+    def service_class(self, request: Request) -> str | None:
+        """Checks the gateway API key (when any is configured) and returns the request's service class:
+        the X-Service-Class header, else the key's default, else the gateway's."""
+        keys = {k.key: k for k in self.config.api_keys}
+        default = self.config.default_service_class
+        if keys:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme != "Bearer" or token not in keys:
+                raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')")
+            default = keys[token].service_class or default
+        return request.headers.get("x-service-class") or default
+
+
+def build_app(gateway: Gateway) -> FastAPI:
+    metrics = GatewayMetrics(lambda: gateway.router)
+    proxy: Proxy | None = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        nonlocal proxy
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        async with httpx.AsyncClient(limits=limits) as client:
+            proxy = Proxy(client, metrics)
+            await check_all(list(gateway.router.backends.values()), client)
+            checker = asyncio.create_task(_check_forever(gateway, client))
+            loop = asyncio.get_running_loop()
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
+                loop.add_signal_handler(signal.SIGHUP, gateway.reload)
+            yield
+            checker.cancel()
+
+    app = FastAPI(title="heteroserve gateway", lifespan=lifespan)
+
+    def request_id(request: Request) -> str:
+        if not hasattr(request.state, "request_id"):
+            request.state.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        return request.state.request_id
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        response = exc.response()
+        response.headers["X-Request-Id"] = request_id(request)
+        return response
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page():
+        return HTMLResponse(web.chat_page())
+
+    def backend_states() -> dict[str, str]:
+        return {b.name: "up" if b.up else "down" for b in gateway.router.backends.values()}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "backends": backend_states()}
+
+    @app.get("/health/ready")
+    async def ready():
+        states = backend_states()
+        if "up" not in states.values():
+            return JSONResponse({"status": "no healthy back end", "backends": states}, status_code=503)
+        return {"status": "ready", "backends": states}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        gateway.service_class(request)
+        created = int(time.time())
+        cards = [
+            {"id": name, "object": "model", "created": created, "owned_by": "heteroserve"}
+            for name in gateway.router.model_names()
+        ]
+        return JSONResponse({"object": "list", "data": cards}, headers={"X-Request-Id": request_id(request)})
+
+    @app.post("/v1/{path:path}")
+    async def forward(path: str, request: Request):
+        rid = request_id(request)
+        service_class = gateway.service_class(request)
+        content = await request.body()
+        try:
+            body = json.loads(content)
+        except ValueError as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str):
+            raise APIError(400, "model: a model name is required", "model")
+        target = gateway.router.resolve(model, service_class)
+        if target is None:
+            raise APIError(404, f"the model {model!r} does not exist", "model")
+        if target.model != model:  # an alias: the back ends know the route's name
+            content = json.dumps({**body, "model": target.model}).encode()
+        assert proxy is not None, "the app's lifespan has not started"
+        response = await proxy.forward(gateway.config, path, content, target, rid)
+        response.headers["X-Request-Id"] = rid
+        return response
+
+    return app
+
+
+async def _check_forever(gateway: Gateway, client: httpx.AsyncClient) -> None:
+    while True:
+        await asyncio.sleep(gateway.config.health.interval)
+        await check_all(list(gateway.router.backends.values()), client)
