@@ -145,6 +145,8 @@ def _throughput(args) -> None:
             "steps": run.num_steps,
             "preemptions": run.num_preemptions,
             "dtype": str(engine.dtype).removeprefix("torch."),
+            "quantization": engine.config.model.quantization or "as checkpoint",
+            "weight_bytes": engine.runner.model.weight_bytes(),
         },
         "peers": {},
         "latency_samples_ms": {"heteroserve request e2e": [1000 * x for x in run.e2e_s]},

@@ -1,9 +1,9 @@
 """4-bit weights for torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`).
 
-The kernel is fast only with bfloat16 activations (AVX-512 BF16 micro-kernels: 0.04-0.2 ms for a SmolLM2
-projection at 1-8 rows, 5-10x faster than float32 oneDNN, because it reads 4 bits a weight), and slower
-than float32 oneDNN from ~64 rows up. So small batches (decode) use the kernel, and larger ones
-(prefill) dequantise to float32 on the fly: weights stay 4-bit in memory either way.
+The kernel is fast only with bfloat16 activations (AVX-512 BF16 micro-kernels), so activations are rounded
+to bfloat16 inside it. Measured on a 2-core AVX-512 machine for SmolLM2's projections: at one row it reads
+4 bits a weight and beats float32 oneDNN several times over (decode); from 8 rows on it costs 1.0-1.4x
+float32 oneDNN, while dequantising to float32 on the fly first costs 2-40x. So every batch size uses it.
 """
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from heteroserve.quantization.int4 import Int4Weight
 
-KERNEL_MAX_ROWS = 16  # measured: the bfloat16 kernel wins up to here on a 2-core AVX-512 CPU
 _BLOCK_N = 64  # the kernel's packed layout: [N / 64, K, 32] bytes, rows j and j + 32 of a block in one byte
 
 
@@ -48,8 +46,6 @@ class CpuInt4Weight:
         return Int4Weight.from_values(self.values(), self.scale, self.zero, self.group_size).dequantize(dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] > KERNEL_MAX_ROWS:
-            return F.linear(x, self.dequantize(x.dtype), bias)
         n, k = self.shape
         packed = self.packed.view(n, k // 2)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(

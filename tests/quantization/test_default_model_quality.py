@@ -28,8 +28,7 @@ def test_quantized_argmax_agrees_under_teacher_forcing(default_llm, default_toke
             texts, default_llm.generate([{"prompt_token_ids": p} for p in texts], greedy, use_tqdm=False), strict=True
         )
     ]
-    # 16-token chunks: every position goes through the 4-bit kernel's small-batch path, as decoding does.
-    quantized = LLM(max_model_len=512, kv_cache_memory_bytes=64 * 1024**2, max_num_batched_tokens=16)
+    quantized = LLM(max_model_len=512, kv_cache_memory_bytes=64 * 1024**2)
     score = SamplingParams(max_tokens=1, prompt_logprobs=1)
     runs = {
         "float32": default_llm.generate([{"prompt_token_ids": s} for s in sequences], score, use_tqdm=False),

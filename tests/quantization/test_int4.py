@@ -13,7 +13,7 @@ from gguf.quants import dequantize, quantize
 from heteroserve import LLM, SamplingParams
 from heteroserve.model.loader.gguf_loader import gguf_int4
 from heteroserve.platforms.cpu import _int4_kernel_works
-from heteroserve.platforms.cpu_int4 import KERNEL_MAX_ROWS, CpuInt4Weight
+from heteroserve.platforms.cpu_int4 import CpuInt4Weight
 from heteroserve.platforms.operators import LinearOp
 from heteroserve.quantization.int4 import Int4Weight, quantize_int4
 from tests.model.test_gguf import COMMON_GGUF, write_gguf
@@ -39,7 +39,7 @@ def test_gguf_blocks_decode_as_gguf_does(qtype):
     assert float((ours - reference).abs().max()) <= 1e-6 * float(reference.abs().max())
 
 
-@pytest.mark.parametrize("rows", [3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 64])
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
 def test_int4_linear_against_dequantised_matmul(rows):
     weight = quantize_int4(torch.randn(192, 320))
     x = torch.randn(rows, 320)
@@ -49,8 +49,7 @@ def test_int4_linear_against_dequantised_matmul(rows):
         pytest.skip("torch's CPU int4 kernel is not usable here; the dequantising path is what runs")
     packed = CpuInt4Weight.pack(weight)
     assert torch.equal(packed.dequantize(), weight.dequantize())
-    bound = 1e-5 if rows > KERNEL_MAX_ROWS else 1e-2  # the kernel multiplies in bfloat16
-    assert _relative_error(packed.matmul(x, None), reference) <= bound
+    assert _relative_error(packed.matmul(x, None), reference) <= 1e-2  # the kernel multiplies in bfloat16
 
 
 def test_quantize_int4_round_trip():
@@ -80,22 +79,25 @@ def test_q4_gguf_runs_compressed_and_matches_its_dequantised_self(q4_gguf):
     ours = quantized.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
     theirs = float_model.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
     dense = lambda entry: torch.tensor([entry[t].logprob for t in range(vocab)])  # noqa: E731
-    # Prefill (40 rows) dequantises exactly; decode steps (1 row) use the bfloat16 kernel where present.
+    # The CPU int4 kernel multiplies in bfloat16 (~3 significant digits); through three layers of this
+    # random model that stays within 5% of the logit scale (a wrong layout or scale is off by the scale).
+    bound = lambda ref: 5e-2 * max(1.0, float(ref.abs().max()))  # noqa: E731
     for a, b in zip(ours.prompt_logprobs[1:], theirs.prompt_logprobs[1:], strict=True):
-        assert float((dense(a) - dense(b)).abs().max()) <= 1e-4 * max(1.0, float(dense(b).abs().max()))
+        assert float((dense(a) - dense(b)).abs().max()) <= bound(dense(b))
     for step, (a, b) in enumerate(zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True)):
-        # bfloat16 activations carry ~3 significant digits: 1% of the logit scale.
-        assert float((dense(a) - dense(b)).abs().max()) <= 1e-2 * float(dense(b).abs().max()), step
+        assert float((dense(a) - dense(b)).abs().max()) <= bound(dense(b)), step
         if ours.outputs[0].token_ids[: step + 1] != theirs.outputs[0].token_ids[: step + 1]:
             top2 = dense(b).topk(2).values
-            assert float(top2[0] - top2[1]) < 2e-2 * float(dense(b).abs().max()), "diverged away from a near-tie"
+            assert float(top2[0] - top2[1]) < bound(dense(b)), "diverged away from a near-tie"
             break
 
 
-def test_int4_quantisation_of_a_float_checkpoint(tmp_path):
-    """--quantization int4 equals transformers running the same rounded weights (prefill dequantises exactly)."""
+@pytest.mark.parametrize("kernels, tolerance", [("reference", 1e-4), ("auto", 5e-2)])
+def test_int4_quantisation_of_a_float_checkpoint(tmp_path, kernels, tolerance):
+    """--quantization int4 equals transformers running the same rounded weights: exactly with the
+    dequantising reference kernel, within bfloat16 precision with the CPU int4 kernel."""
     tiny = save_tiny("qwen2", tmp_path)
-    llm = tiny.llm(quantization="int4")
+    llm = tiny.llm(quantization="int4", kernels=kernels)
     assert isinstance(llm.engine.runner.model.layers[0].self_attn.qkv_proj, (Int4Weight, CpuInt4Weight))
     reference = tiny.reference.model
     with torch.no_grad():
@@ -109,7 +111,7 @@ def test_int4_quantisation_of_a_float_checkpoint(tmp_path):
     expected = torch.log_softmax(tiny.reference.logits(ids), dim=-1)
     for i in range(1, len(ids)):
         ours = torch.tensor([out.prompt_logprobs[i][t].logprob for t in range(vocab)])
-        assert float((ours - expected[i - 1]).abs().max()) <= 1e-4 * max(1.0, float(expected[i - 1].abs().max()))
+        assert float((ours - expected[i - 1]).abs().max()) <= tolerance * max(1.0, float(expected[i - 1].abs().max()))
 
 
 def test_quantization_mismatches_are_clear(tmp_path, q4_gguf):
