@@ -16,3 +16,5 @@ heteroserve bench serve --quantization none --concurrency 16 --num-requests 16 -
     --output-json bench/results/scenario_c.json --plot bench/results/scenario_c.png
 heteroserve bench latency --output-json bench/results/scenario_a_q4.json
 heteroserve bench throughput --scenario B --output-json bench/results/scenario_b_q4.json
+heteroserve bench throughput --quantization none --kernels reference --scenario B \
+    --output-json bench/results/scenario_b_reference_kernels.json
