@@ -11,7 +11,15 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from hypothesis import settings  # noqa: E402
+
 from tests.reference import GreedyComparison, HFReference  # noqa: E402
+
+# Property and fuzz tests draw the same examples on every run, so CI is reproducible; explore new ones
+# with HYPOTHESIS_PROFILE=explore.
+settings.register_profile("deterministic", derandomize=True, deadline=None)
+settings.register_profile("explore", deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 _comparisons = GreedyComparison()
 
