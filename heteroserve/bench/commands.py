@@ -188,12 +188,16 @@ def _latency(args) -> None:
     engine = _engine(args)
     prompt = _requests(engine, args, "A", 1)[0][0]
     ours = single_stream(engine, prompt, args.output_len, args.repeats)
+    samples = ours.pop("inter_token_samples_ms")
+    ours["quantization"] = engine.config.model.quantization or "as checkpoint"
+    ours["weight_bytes"] = engine.runner.model.weight_bytes()
     result = {
         "command": "latency",
         "input_len": len(prompt),
         "output_len": args.output_len,
         "heteroserve": ours,
         "peers": {},
+        "latency_samples_ms": {"heteroserve inter-token": samples},
         "_platform": engine.platform,
     }
     print(f"heteroserve: prefill {ours['prefill_ms']:.1f} ms, decode {ours['decode_tokens_per_s']:.1f} tok/s")
@@ -226,6 +230,8 @@ def _server_flags(args) -> list[str]:
         flags += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     if args.max_num_batched_tokens:
         flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.quantization:
+        flags += ["--quantization", args.quantization]
     return flags
 
 
