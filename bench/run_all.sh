@@ -18,3 +18,5 @@ heteroserve bench latency --output-json bench/results/scenario_a_q4.json
 heteroserve bench throughput --scenario B --output-json bench/results/scenario_b_q4.json
 heteroserve bench throughput --quantization none --kernels reference --scenario B \
     --output-json bench/results/scenario_b_reference_kernels.json
+heteroserve bench serve --quantization none --gateway --no-compare-offline --concurrency 16 --num-requests 16 \
+    --input-len 128 --output-len 64 --ttft-requests 20 --output-json bench/results/gateway_overhead.json

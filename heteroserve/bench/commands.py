@@ -56,6 +56,11 @@ def add_bench_parser(commands) -> None:
             sub.add_argument("--input-len", type=int, default=128)
             sub.add_argument("--output-len", type=int, default=64)
             sub.add_argument(
+                "--gateway",
+                action="store_true",
+                help="also measure the same server through `heteroserve gateway` (prefix caching off)",
+            )
+            sub.add_argument(
                 "--compare-offline",
                 action=argparse.BooleanOptionalAction,
                 default=None,
@@ -232,6 +237,8 @@ def _server_flags(args) -> list[str]:
         flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.quantization:
         flags += ["--quantization", args.quantization]
+    if not args.enable_prefix_caching:
+        flags += ["--no-enable-prefix-caching"]
     return flags
 
 
@@ -240,13 +247,17 @@ def _serve(args) -> None:
 
     import httpx
 
-    from heteroserve.bench.serve import OwnServer, run_clients, summarize
+    from heteroserve.bench.serve import OwnServer, run_clients, start_gateway, summarize
     from heteroserve.model.loader import load_tokenizer
     from heteroserve.model.loader.source import resolve_model
     from heteroserve.platforms import resolve_platform
 
     if args.max_model_len is None:
         args.max_model_len = 2048
+    if args.gateway:
+        if args.base_url is not None:
+            raise SystemExit("--gateway measures our own server directly and through a gateway: drop --base-url")
+        args.enable_prefix_caching = False  # the same prompts run twice; cache hits would favour the second run
     own = args.base_url is None
     compare = own if args.compare_offline is None else args.compare_offline
     tokenizer = load_tokenizer(resolve_model(args.model))
@@ -264,14 +275,30 @@ def _serve(args) -> None:
         if server:
             server.stop()
         raise SystemExit(f"cannot reach an OpenAI-compatible server at {url}: {exc}") from exc
-    try:
-        asyncio.run(run_clients(url, requests[:1], 1, None, args.served_model, args.api_key))  # warm-up
+
+    def measure(target: str, model: str | None) -> tuple[dict, list]:
+        asyncio.run(run_clients(target, requests[:1], 1, None, model, args.api_key))  # warm-up
         wall, timings = asyncio.run(
-            run_clients(url, requests, args.concurrency, args.request_rate, args.served_model, args.api_key, args.seed)
+            run_clients(target, requests, args.concurrency, args.request_rate, model, args.api_key, args.seed)
         )
-        serving = summarize(wall, timings)
-        ttft_wall, ttft_timings = asyncio.run(run_clients(url, single, 1, None, args.served_model, args.api_key))
-        serving["concurrency_1"] = summarize(ttft_wall, ttft_timings)
+        summary = summarize(wall, timings)
+        ttft_wall, ttft_timings = asyncio.run(run_clients(target, single, 1, None, model, args.api_key))
+        summary["concurrency_1"] = summarize(ttft_wall, ttft_timings)
+        return summary, timings
+
+    via_gateway = None
+    try:
+        serving, timings = measure(url, args.served_model)
+        if args.gateway:
+            import tempfile
+
+            model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+            with tempfile.TemporaryDirectory() as folder:
+                gateway = start_gateway(url, model, folder)
+                try:
+                    via_gateway, _ = measure(gateway.url, model)
+                finally:
+                    gateway.stop()
     finally:
         if server:
             server.stop()
@@ -290,6 +317,18 @@ def _serve(args) -> None:
         },
         "_platform": resolve_platform(args.device),
     }
+    if via_gateway is not None:
+        result["via_gateway"] = via_gateway
+        result["gateway_throughput_ratio"] = via_gateway["output_tokens_per_s"] / serving["output_tokens_per_s"]
+        result["gateway_ttft_overhead_ms"] = (
+            via_gateway["concurrency_1"]["ttft_ms"]["p50"] - serving["concurrency_1"]["ttft_ms"]["p50"]
+        )
+        print(
+            f"through the gateway: {via_gateway['output_tokens_per_s']:.1f} output tok/s "
+            f"({result['gateway_throughput_ratio']:.0%} of direct); TTFT p50 at concurrency 1 "
+            f"{via_gateway['concurrency_1']['ttft_ms']['p50']:.1f} ms vs direct "
+            f"{serving['concurrency_1']['ttft_ms']['p50']:.1f} ms (+{result['gateway_ttft_overhead_ms']:.1f} ms)"
+        )
     print(
         f"server: {serving['output_tokens_per_s']:.1f} output tok/s over {len(requests)} requests at concurrency "
         f"{args.concurrency}; TTFT p50 {serving['ttft_ms']['p50']:.0f} ms p99 {serving['ttft_ms']['p99']:.0f} ms; "

@@ -121,29 +121,23 @@ def summarize(wall_s: float, timings: list[RequestTiming]) -> dict[str, object]:
 
 
 class OwnServer:
-    """Starts `heteroserve serve` on a free local port with the given flags, for a self-contained run."""
+    """Starts `heteroserve serve` (or, with `command`, another heteroserve command that serves HTTP) on a
+    free local port, for a self-contained run. Its OpenMP workers sleep when idle (OMP_WAIT_POLICY=PASSIVE)
+    since the benchmark's clients share the cores."""
 
-    def __init__(self, model: str | None, flags: list[str], startup_timeout: float = 300) -> None:
+    def __init__(
+        self, model: str | None, flags: list[str], startup_timeout: float = 300, command: list[str] | None = None
+    ) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [
-            sys.executable,
-            "-m",
-            "heteroserve.entrypoints.openai.api_server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--uvicorn-log-level",
-            "warning",
-            *flags,
-        ]
+        command = command or ["heteroserve.entrypoints.openai.api_server", "--uvicorn-log-level", "warning"]
+        argv = [sys.executable, "-m", *command, "--host", "127.0.0.1", "--port", str(self.port), *flags]
         if model:
-            command += ["--model", model]
+            argv += ["--model", model]
         self.process = subprocess.Popen(
-            command,
+            argv,
             env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -151,7 +145,7 @@ class OwnServer:
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with code {self.process.returncode}")
+                raise RuntimeError(f"{' '.join(command)} exited with code {self.process.returncode}")
             try:
                 if httpx.get(f"{self.url}/health/ready", timeout=2).status_code == 200:
                     return
@@ -159,7 +153,7 @@ class OwnServer:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise TimeoutError("the server did not become ready")
+        raise TimeoutError(f"{' '.join(command)} did not become ready")
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -168,3 +162,13 @@ class OwnServer:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+
+
+def start_gateway(backend_url: str, model: str, folder: str) -> OwnServer:
+    """A `heteroserve gateway` with one back end, to measure what the gateway adds."""
+    config = os.path.join(folder, "gateway.yaml")
+    with open(config, "w") as f:
+        f.write(f"backends:\n  - name: direct\n    url: {backend_url}\n    models: [{json.dumps(model)}]\n")
+    return OwnServer(
+        None, ["--config", config, "--uvicorn-log-level", "warning"], command=["heteroserve.entrypoints.cli", "gateway"]
+    )

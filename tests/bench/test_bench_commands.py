@@ -133,3 +133,19 @@ def test_bad_arguments(args, message):
     result = bench(*args, check=False)
     assert result.returncode != 0
     assert message in result.stderr + result.stdout
+
+
+def test_serve_directly_and_through_the_gateway(tmp_path):
+    """Our own server, then the same server behind `heteroserve gateway`, in one run."""
+    out = tmp_path / "g.json"
+    bench("serve", "--gateway", "--num-requests", "3", "--concurrency", "3", "--input-len", "16",
+          "--output-len", "4", "--ttft-requests", "2", "--no-compare-offline", "--output-json", str(out), *SMALL)
+    result = json.loads(out.read_text())
+    direct, gateway = result["heteroserve"], result["via_gateway"]
+    for run in (direct, gateway):
+        assert run["errors"] == [] and run["output_tokens"] == 3 * 4
+        assert run["concurrency_1"]["requests"] == 2
+    assert result["gateway_throughput_ratio"] > 0
+    assert result["gateway_ttft_overhead_ms"] == pytest.approx(
+        gateway["concurrency_1"]["ttft_ms"]["p50"] - direct["concurrency_1"]["ttft_ms"]["p50"]
+    )

@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
-from heteroserve.entrypoints.openai.serving import OpenAIServing, sse
+from heteroserve.entrypoints.openai.serving import OpenAIServing, sse, usage
 from heteroserve.outputs import CompletionOutput
 
 
@@ -85,11 +85,7 @@ class ServingChat(OpenAIServing):
                     "stop_reason": completion.stop_reason,
                 }
             )
-        usage = {
-            "prompt_tokens": len(ids),
-            "completion_tokens": completion_tokens,
-            "total_tokens": len(ids) + completion_tokens,
-        }
+        totals = usage(len(ids), completion_tokens)
         return JSONResponse(
             {
                 "id": request_id,
@@ -97,7 +93,7 @@ class ServingChat(OpenAIServing):
                 "created": now(),
                 "model": self.model_name,
                 "choices": choices,
-                "usage": usage,
+                "usage": totals,
             }
         )
 
@@ -105,7 +101,7 @@ class ServingChat(OpenAIServing):
         created = now()
         counts: dict[int, int] = {}
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        def chunk(choices: list[dict], totals: dict | None = None) -> str:
             body = {
                 "id": request_id,
                 "object": "chat.completion.chunk",
@@ -113,8 +109,8 @@ class ServingChat(OpenAIServing):
                 "model": self.model_name,
                 "choices": choices,
             }
-            if usage is not None:
-                body["usage"] = usage
+            if totals is not None:
+                body["usage"] = totals
             return sse(body)
 
         try:
@@ -150,14 +146,7 @@ class ServingChat(OpenAIServing):
                     )
             if request.stream_options and request.stream_options.include_usage:
                 generated = sum(counts.values())
-                yield chunk(
-                    [],
-                    {
-                        "prompt_tokens": prompt_tokens,
-                        "completion_tokens": generated,
-                        "total_tokens": prompt_tokens + generated,
-                    },
-                )
+                yield chunk([], usage(prompt_tokens, generated))
         except APIError as exc:
             yield sse(exc.body())
         yield sse("[DONE]")

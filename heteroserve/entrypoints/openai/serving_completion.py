@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from heteroserve.engine.llm_engine import PromptInput
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.protocol import CompletionRequest, now, random_id
-from heteroserve.entrypoints.openai.serving import OpenAIServing, merge, sse
+from heteroserve.entrypoints.openai.serving import OpenAIServing, merge, sse, usage
 from heteroserve.outputs import CompletionOutput, RequestOutput
 
 
@@ -93,18 +93,14 @@ class ServingCompletion(OpenAIServing):
                     }
                 )
         choices.sort(key=lambda c: c["index"])
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
+        totals = usage(prompt_tokens, completion_tokens)
         return {
             "id": request_id,
             "object": "text_completion",
             "created": now(),
             "model": self.model_name,
             "choices": choices,
-            "usage": usage,
+            "usage": totals,
         }
 
     async def _stream(self, request: CompletionRequest, request_id: str, started) -> AsyncIterator[str]:
@@ -117,7 +113,7 @@ class ServingCompletion(OpenAIServing):
             async for output in self.rest(first, stream):
                 yield i, output
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        def chunk(choices: list[dict], totals: dict | None = None) -> str:
             body = {
                 "id": request_id,
                 "object": "text_completion",
@@ -125,8 +121,8 @@ class ServingCompletion(OpenAIServing):
                 "model": self.model_name,
                 "choices": choices,
             }
-            if usage is not None:
-                body["usage"] = usage
+            if totals is not None:
+                body["usage"] = totals
             return sse(body)
 
         try:
@@ -171,14 +167,7 @@ class ServingCompletion(OpenAIServing):
                         )
             if request.stream_options and request.stream_options.include_usage:
                 generated = sum(counts.values())
-                yield chunk(
-                    [],
-                    {
-                        "prompt_tokens": prompt_tokens,
-                        "completion_tokens": generated,
-                        "total_tokens": prompt_tokens + generated,
-                    },
-                )
+                yield chunk([], usage(prompt_tokens, generated))
         except APIError as exc:
             yield sse(exc.body())
         yield sse("[DONE]")
