@@ -263,7 +263,8 @@ def _serve(args) -> None:
     tokenizer = load_tokenizer(resolve_model(args.model))
     vocab = len(tokenizer) if tokenizer is not None else 0
     requests = _dataset(tokenizer, vocab, args, "C", args.num_requests)
-    single = _dataset(tokenizer, vocab, args, "C", args.ttft_requests)
+    # Concurrency-1 requests use prompts of their own, so neither side finds them in its prefix cache.
+    single = _dataset(tokenizer, vocab, args, "C", args.num_requests + args.ttft_requests)[args.num_requests :]
     single = [(p, 8) for p, _ in single]
     server = OwnServer(args.model, _server_flags(args)) if own else None
     url = server.url if own else args.base_url.rstrip("/")
