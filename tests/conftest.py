@@ -10,7 +10,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
 from hypothesis import settings  # noqa: E402
 
 from tests.reference import GreedyComparison, HFReference  # noqa: E402

@@ -138,8 +138,24 @@ def test_bad_arguments(args, message):
 def test_serve_directly_and_through_the_gateway(tmp_path):
     """Our own server, then the same server behind `heteroserve gateway`, in one run."""
     out = tmp_path / "g.json"
-    bench("serve", "--gateway", "--num-requests", "3", "--concurrency", "3", "--input-len", "16",
-          "--output-len", "4", "--ttft-requests", "2", "--no-compare-offline", "--output-json", str(out), *SMALL)
+    bench(
+        "serve",
+        "--gateway",
+        "--num-requests",
+        "3",
+        "--concurrency",
+        "3",
+        "--input-len",
+        "16",
+        "--output-len",
+        "4",
+        "--ttft-requests",
+        "2",
+        "--no-compare-offline",
+        "--output-json",
+        str(out),
+        *SMALL,
+    )
     result = json.loads(out.read_text())
     direct, gateway = result["heteroserve"], result["via_gateway"]
     for run in (direct, gateway):
