@@ -98,12 +98,12 @@ class DecoderModel(nn.Module):
         self._prepare(self, "lm_head", head)
 
     def _prepare(self, owner: nn.Module, name: str, weight) -> None:
-        if isinstance(weight, torch.Tensor):
-            owner._parameters.pop(name, None)
-            setattr(owner, name, nn.Parameter(self.linear.prepare(weight.data), requires_grad=False))
+        prepared = self.linear.prepare(weight.data if isinstance(weight, torch.Tensor) else weight)
+        owner._parameters.pop(name, None)
+        if isinstance(prepared, torch.Tensor):
+            setattr(owner, name, nn.Parameter(prepared, requires_grad=False))
         else:  # a compressed weight object (heteroserve.quantization), kept as a plain attribute
-            owner._parameters.pop(name, None)
-            setattr(owner, name, self.linear.prepare(weight))
+            setattr(owner, name, prepared)
 
     def weight_bytes(self) -> int:
         """Bytes of all weights as stored (compressed ones at their compressed size)."""

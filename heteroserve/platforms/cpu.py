@@ -68,17 +68,16 @@ class OneDnnLinear(LinearOp):
     name = "onednn-packed"
     PACK_ROWS = 64  # the batch size the layout is tuned for; other sizes work too
 
-    def __init__(self, int4_kernel: bool = False, bf16: bool = False) -> None:
+    def __init__(self, int4_kernel: bool = False) -> None:
         self.int4_kernel = int4_kernel
-        self.bf16 = bf16
 
     def prepare(self, weight):
         if isinstance(weight, Int4Weight):
             return CpuInt4Weight.pack(weight) if self.int4_kernel and weight.shape[0] % 64 == 0 else weight
         if isinstance(weight, Int8Weight):
-            # An 8-bit weight (a Q8_0 LM head) runs as bfloat16: half the bytes of float32 per token, and
-            # AVX-512 BF16 products; its values were 8-bit already.
-            weight = weight.dequantize(torch.bfloat16) if self.bf16 else weight.dequantize()
+            # An 8-bit LM head (a tied Q8_0 embedding) runs in float32: in bfloat16 the default model's
+            # answer to "What is the capital of France?" turned into "L'Étoile, la Marseillaise, ...".
+            weight = weight.dequantize()
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_ROWS)
 
     def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,8 +85,6 @@ class OneDnnLinear(LinearOp):
             return weight.matmul(x, bias)
         if isinstance(weight, (Int4Weight, Int8Weight)):
             return super().__call__(x, weight, bias)
-        if weight.dtype != x.dtype:
-            return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, bias, "none", [], "").to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -140,7 +137,7 @@ class CpuPlatform(Platform):
 
     def linear_op(self, dtype: torch.dtype, kernels: str = "auto") -> LinearOp:
         if kernels == "auto" and dtype in (torch.float32, torch.bfloat16) and _onednn_works(dtype):
-            return OneDnnLinear(int4_kernel=_int4_kernel_works(), bf16=torch.bfloat16 in self.supported_dtypes())
+            return OneDnnLinear(int4_kernel=_int4_kernel_works())
         return LinearOp()
 
     def kv_cache_budget_bytes(self, requested: int | None) -> int:

@@ -52,3 +52,11 @@ def test_quantized_argmax_agrees_under_teacher_forcing(default_llm, default_toke
         )
     assert rate >= 0.95
     assert perplexity["q4_1"] < 1.2 * perplexity["float32"]
+
+
+def test_shipped_model_answers_the_demo_question():
+    """The main job's model as shipped (4-bit, no --quantization) keeps the float model's answer."""
+    llm = LLM(max_model_len=256, kv_cache_memory_bytes=32 * 1024**2)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(question, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
+    assert out.text == "The capital of France is Paris." and out.finish_reason == "stop"
