@@ -93,6 +93,15 @@ class OpenAIServing:
                 raise APIError(500, str(exc)) from exc
             yield output
 
+    def stream_chunk(
+        self, request_id: str, kind: str, created: int, choices: list[dict], totals: dict | None = None
+    ) -> str:
+        """One server-sent event of a streamed response (`kind`: text_completion or chat.completion.chunk)."""
+        body = {"id": request_id, "object": kind, "created": created, "model": self.model_name, "choices": choices}
+        if totals is not None:
+            body["usage"] = totals
+        return sse(body)
+
     def record(self, output: RequestOutput, num_output_tokens: int, finish_reason: str | None) -> None:
         self.metrics.observe_finished(output.metrics, len(output.prompt_token_ids), num_output_tokens, finish_reason)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -101,17 +102,7 @@ class ServingChat(OpenAIServing):
         created = now()
         counts: dict[int, int] = {}
 
-        def chunk(choices: list[dict], totals: dict | None = None) -> str:
-            body = {
-                "id": request_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-            }
-            if totals is not None:
-                body["usage"] = totals
-            return sse(body)
+        chunk = functools.partial(self.stream_chunk, request_id, "chat.completion.chunk", created)
 
         try:
             for index in range(request.n):

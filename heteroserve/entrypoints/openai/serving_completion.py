@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -113,17 +114,7 @@ class ServingCompletion(OpenAIServing):
             async for output in self.rest(first, stream):
                 yield i, output
 
-        def chunk(choices: list[dict], totals: dict | None = None) -> str:
-            body = {
-                "id": request_id,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices,
-            }
-            if totals is not None:
-                body["usage"] = totals
-            return sse(body)
+        chunk = functools.partial(self.stream_chunk, request_id, "text_completion", created)
 
         try:
             echoed: set[int] = set()
