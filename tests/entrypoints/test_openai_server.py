@@ -203,6 +203,21 @@ def test_disconnect_aborts_and_frees_blocks(server):
     assert server.metric("heteroserve:request_success_total") >= 1
 
 
+def test_non_streaming_disconnect_aborts_and_frees_blocks(server):
+    """A client that gives up on a JSON answer (a read timeout here) has its request aborted, not finished."""
+    generated = server.metric("heteroserve:generation_tokens_total")
+    body = {"prompt": "Write a very long essay.", "max_tokens": 480, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.0))
+    for _ in range(50):
+        if server.metric("heteroserve:num_requests_running") == 0:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert server.metric("heteroserve:num_requests_running") == 0
+    assert server.metric("heteroserve:kv_cache_usage_perc") == 0
+    assert server.metric("heteroserve:generation_tokens_total") - generated < 480
+
+
 def test_metrics_after_traffic(server):
     names = [
         "heteroserve:prompt_tokens_total",

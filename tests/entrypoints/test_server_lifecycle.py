@@ -12,6 +12,7 @@ import pytest
 from tests.entrypoints.server_process import ServerProcess
 
 KEY = "sk-test-key"
+ORIGIN = "http://chat.example.test"
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,8 @@ def strict_server():
         "1",
         "--drain-timeout",
         "60",
+        "--allowed-origins",
+        ORIGIN,
     )
     yield process
     process.stop()
@@ -51,6 +54,22 @@ def test_api_key_guards_only_the_api(strict_server):
     assert reply.model == "smol" and reply.choices[0].text is not None
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_cors_preflight_needs_no_key(strict_server):
+    """Browsers send no Authorization header on a preflight: CORS must answer it before the key check."""
+    headers = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    preflight = httpx.options(f"{strict_server.base_url}/v1/chat/completions", headers=headers)
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == ORIGIN
+    keyed = httpx.get(
+        f"{strict_server.base_url}/v1/models", headers={"Origin": ORIGIN, "Authorization": f"Bearer {KEY}"}
+    )
+    assert keyed.status_code == 200 and keyed.headers["access-control-allow-origin"] == ORIGIN
 
 
 def test_waiting_queue_limit_answers_429(strict_server):
@@ -78,21 +97,34 @@ def test_waiting_queue_limit_answers_429(strict_server):
 
 
 def test_sigterm_drains_then_exits_zero(strict_server):
+    """A JSON request and a stream (queued behind it: one sequence runs at a time) both finish after SIGTERM."""
     url = strict_server.base_url
     result: dict[str, object] = {}
+    headers = {"Authorization": f"Bearer {KEY}"}
 
     def long_request() -> None:
         body = {"model": "smol", "prompt": "Write a poem", "max_tokens": 60, "ignore_eos": True}
-        response = httpx.post(
-            f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=300
-        )
+        response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=300)
         result["status"] = response.status_code
         result["tokens"] = response.json()["usage"]["completion_tokens"]
 
-    worker = threading.Thread(target=long_request)
-    worker.start()
+    def long_stream() -> None:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=300)
+        chunks = client.completions.create(
+            model="smol",
+            prompt="Write a song",
+            max_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        result["stream_tokens"] = [c.usage.completion_tokens for c in chunks if c.usage][-1]
+
+    workers = [threading.Thread(target=long_request), threading.Thread(target=long_stream)]
+    for worker in workers:
+        worker.start()
     deadline = time.monotonic() + 60
-    while strict_server.metric("heteroserve:num_requests_running") < 1 and time.monotonic() < deadline:
+    while strict_server.metric("heteroserve:num_requests_waiting") < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     strict_server.terminate()
     time.sleep(0.3)
@@ -101,6 +133,7 @@ def test_sigterm_drains_then_exits_zero(strict_server):
         f"{url}/v1/completions", json={"model": "smol", "prompt": "late"}, headers={"Authorization": f"Bearer {KEY}"}
     )
     assert refused.status_code == 503
-    worker.join(120)
-    assert result == {"status": 200, "tokens": 60}
+    for worker in workers:
+        worker.join(120)
+    assert result == {"status": 200, "tokens": 60, "stream_tokens": 40}
     assert strict_server.process.wait(60) == 0

@@ -20,6 +20,7 @@ from heteroserve import web
 from heteroserve.engine.async_engine import AsyncLLMEngine
 from heteroserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from heteroserve.entrypoints.openai.errors import APIError
+from heteroserve.entrypoints.openai.gate import Gate, ServerState, unless_disconnected
 from heteroserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,7 +36,6 @@ from heteroserve.metrics.prometheus import ServerMetrics
 from heteroserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("heteroserve.server")
-_KEYED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 _API_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 429, 500, 503)}
 _PROBE_ERRORS = {503: {"model": ErrorResponse}}
 _GENERATION_RESPONSES = {
@@ -45,15 +45,6 @@ _GENERATION_RESPONSES = {
         "content": {"application/json": {}, "text/event-stream": {}},
     },
 }
-
-
-class ServerState:
-    """Readiness and in-flight accounting, shared by the routes and the SIGTERM drain."""
-
-    def __init__(self) -> None:
-        self.ready = False
-        self.draining = False
-        self.in_flight = 0
 
 
 def build_app(
@@ -70,26 +61,9 @@ def build_app(
     metrics = ServerMetrics(engine.engine, settings.served_model_names[0])
     completions = ServingCompletion(engine, settings, metrics)
     chats = ServingChat(engine, settings, metrics)
-    if allowed_origins:
+    app.add_middleware(Gate, engine=engine, state=state, api_key=api_key)
+    if allowed_origins:  # outermost, so a browser's preflight is answered before the key is asked for
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])
-
-    @app.middleware("http")
-    async def gate(request: Request, call_next):
-        path = request.url.path
-        guarded = path.startswith(_KEYED_PREFIXES)
-        if guarded and api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
-            return APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')").response()
-        if not guarded:
-            return await call_next(request)
-        if state.draining:
-            return APIError(503, "the server is shutting down").response()
-        if not engine.is_alive:
-            return APIError(500, f"the engine has failed: {engine.dead_error!r}").response()
-        state.in_flight += 1
-        try:
-            return await call_next(request)
-        finally:
-            state.in_flight -= 1
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError):
@@ -150,16 +124,16 @@ def build_app(
         return {"object": "list", "data": cards}
 
     @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
-    async def create_completion(body: CompletionRequest):
+    async def create_completion(body: CompletionRequest, request: Request):
         if log_requests:
             logger.info("completion request: %s", body.model_dump_json())
-        return await completions.create(body)
+        return await unless_disconnected(request, completions.create(body))
 
     @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
-    async def create_chat_completion(body: ChatCompletionRequest):
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         if log_requests:
             logger.info("chat request: %s", body.model_dump_json())
-        return await chats.create(body)
+        return await unless_disconnected(request, chats.create(body))
 
     @app.post("/tokenize", responses=_API_ERRORS)
     async def tokenize(body: TokenizeRequest):
