@@ -37,12 +37,15 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # None: the platform's default budget
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # overrides the budget, for tests and tuning
+    gpu_memory_utilization: float | None = None  # devices: share of memory for weights + KV (None: platform's)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 

@@ -25,7 +25,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-memory-bytes",
         type=int,
         default=None,
-        help="bytes for the KV block pool (CPU default: 2 GiB)",
+        help="bytes for the KV block pool (CPU default: 2 GiB); overrides --gpu-memory-utilization",
+    )
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="devices: share of device memory for weights + KV cache (default 0.9); CPU: use --kv-cache-memory-bytes",
     )
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     group.add_argument(
@@ -67,7 +73,12 @@ def engine_config_from_args(model: str | None, args: argparse.Namespace) -> Engi
             args.quantization,
             generation_config=args.generation_config,
         ),
-        cache=CacheConfig(args.block_size, args.kv_cache_memory_bytes, args.enable_prefix_caching),
+        cache=CacheConfig(
+            args.block_size,
+            args.kv_cache_memory_bytes,
+            args.enable_prefix_caching,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        ),
         scheduler=SchedulerConfig(
             args.max_num_seqs,
             args.max_num_batched_tokens,

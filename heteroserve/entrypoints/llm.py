@@ -29,6 +29,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         kv_cache_memory_bytes: int | None = None,
         num_kv_blocks: int | None = None,
+        gpu_memory_utilization: float | None = None,
         scheduling_policy: str = "fcfs",
         generation_config: str = "auto",
         device: str = "auto",
@@ -38,7 +39,9 @@ class LLM:
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model, dtype, max_model_len, seed, quantization, generation_config=generation_config),
-            cache=CacheConfig(block_size, kv_cache_memory_bytes, enable_prefix_caching, num_kv_blocks),
+            cache=CacheConfig(
+                block_size, kv_cache_memory_bytes, enable_prefix_caching, num_kv_blocks, gpu_memory_utilization
+            ),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, scheduling_policy),
             device=DeviceConfig(device, kernels),
         )

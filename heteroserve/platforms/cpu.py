@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import platform as pyplatform
 
@@ -13,6 +14,8 @@ from heteroserve.platforms.interface import Platform
 from heteroserve.platforms.operators import LinearOp
 from heteroserve.quantization.int4 import Int4Weight
 from heteroserve.quantization.int8 import Int8Weight
+
+logger = logging.getLogger(__name__)
 
 _ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve", "sve2", "bf16")
 # Kernel flag -> the name people know; the flags that decide which kernels and dtypes are fast.
@@ -140,7 +143,11 @@ class CpuPlatform(Platform):
             return OneDnnLinear(int4_kernel=_int4_kernel_works())
         return LinearOp()
 
-    def kv_cache_budget_bytes(self, requested: int | None) -> int:
+    def kv_cache_budget_bytes(self, requested: int | None, memory_utilization: float | None = None) -> int:
+        """Host memory is shared with everything else on the machine, so the CPU budget is a fixed size
+        (as vLLM's VLLM_CPU_KVCACHE_SPACE), never a share of RAM."""
+        if memory_utilization is not None:
+            logger.warning("gpu_memory_utilization is for devices; on CPU set kv_cache_memory_bytes instead")
         return requested if requested is not None else DEFAULT_CPU_KV_CACHE_BYTES
 
     def memory_info(self) -> tuple[int, int]:

@@ -71,13 +71,15 @@ class Platform:
         """(free, total) bytes of the device's memory."""
         return self.device_module().mem_get_info()
 
-    def kv_cache_budget_bytes(self, requested: int | None) -> int:
-        """Bytes for the KV block pool: the user's figure, else what `memory_utilization` leaves free."""
+    def kv_cache_budget_bytes(self, requested: int | None, memory_utilization: float | None = None) -> int:
+        """Bytes for the KV block pool: the user's figure, else what the utilisation share of the device's
+        memory leaves once the weights are loaded (vLLM's --gpu-memory-utilization)."""
         if requested is not None:
             return requested
+        share = memory_utilization if memory_utilization is not None else self.memory_utilization
         free, total = self.memory_info()
         in_use = total - free
-        return max(int(total * self.memory_utilization) - in_use, 0)
+        return max(int(total * share) - in_use, 0)
 
     def synchronize(self) -> None:
         """Waits for queued device work (for timing)."""

@@ -36,7 +36,8 @@ class ModelRunner:
         self.stop_ids = [loaded.eos_token_id] if loaded.eos_token_id is not None else []
         self.num_blocks = (
             cache_config.num_kv_blocks
-            or platform.kv_cache_budget_bytes(cache_config.kv_cache_memory_bytes) // self.bytes_per_block()
+            or platform.kv_cache_budget_bytes(cache_config.kv_cache_memory_bytes, cache_config.gpu_memory_utilization)
+            // self.bytes_per_block()
         )
         if self.num_blocks * self.block_size < loaded.max_model_len:
             raise ValueError(

@@ -222,12 +222,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-log-requests", action="store_true", help="log request bodies (prompts included)")
     group.add_argument("--uvicorn-log-level", default="info")
     group.add_argument("--tensor-parallel-size", type=int, default=1)
-    group.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="fraction of device memory for weights + KV cache (accelerators)",
-    )
     add_engine_args(parser)
 
 

@@ -1,0 +1,45 @@
+"""How big the KV block pool is: a fixed size on CPU, a share of device memory elsewhere (--gpu-memory-utilization)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from heteroserve.config import CacheConfig
+from heteroserve.entrypoints.engine_args import engine_config_from_args
+from heteroserve.entrypoints.openai.api_server import make_parser
+from heteroserve.platforms.cpu import CpuPlatform
+from heteroserve.platforms.interface import Platform
+
+GiB = 1024**3
+
+
+class TenGiBDevice(Platform):
+    """A device that reports 10 GiB of memory of which 4 GiB (weights, runtime) are in use."""
+
+    name = "ten-gib"
+
+    def memory_info(self) -> tuple[int, int]:
+        return 6 * GiB, 10 * GiB
+
+
+def test_device_budget_is_the_share_left_after_the_weights():
+    device = TenGiBDevice()
+    assert device.kv_cache_budget_bytes(None) == int(10 * GiB * 0.9) - 4 * GiB
+    assert device.kv_cache_budget_bytes(None, 0.5) == 1 * GiB
+    assert device.kv_cache_budget_bytes(None, 0.3) == 0  # the weights already take more than the share
+    assert device.kv_cache_budget_bytes(3 * GiB, 0.5) == 3 * GiB  # an explicit size wins
+
+
+def test_cpu_budget_ignores_the_device_share_and_says_so(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert CpuPlatform().kv_cache_budget_bytes(None, 0.5) == CpuPlatform().kv_cache_budget_bytes(None)
+    assert "kv_cache_memory_bytes" in caplog.text
+
+
+def test_flag_reaches_the_cache_config_and_is_checked():
+    args = make_parser().parse_args(["--gpu-memory-utilization", "0.75"])
+    assert engine_config_from_args(None, args).cache.gpu_memory_utilization == 0.75
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        CacheConfig(gpu_memory_utilization=1.5)
