@@ -1,25 +1,23 @@
-"""`heteroserve bench throughput|latency`: our engine and the transformers peer on the same prompts."""
+"""`heteroserve bench throughput|latency|serve`: the parser, and our engine beside the transformers peer on the
+same prompts (the serve command is in serve_command.py)."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 
-from heteroserve.bench.engine_runs import run_batch, single_stream, time_to_first_token
-from heteroserve.bench.machine import describe_machine
-from heteroserve.bench.workload import fingerprint, jsonl_requests, random_requests, scenario_requests
+from heteroserve.bench.engine_runs import run_batch, single_stream
+from heteroserve.bench.harness import PEERS, build_engine, engine_requests, write_report
+from heteroserve.bench.serve_command import run_serve_bench
+from heteroserve.bench.workload import fingerprint
 from heteroserve.engine.llm_engine import LLMEngine
-from heteroserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
-
-PEERS = ("hf",)
+from heteroserve.entrypoints.engine_args import add_engine_args
 
 
 def add_bench_parser(commands) -> None:
     bench = commands.add_parser("bench", help="benchmark heteroserve against peers on the shared workload")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
-    for name, handler in (("throughput", _throughput), ("latency", _latency), ("serve", _serve)):
+    for name, handler in (("throughput", _throughput), ("latency", _latency), ("serve", run_serve_bench)):
         sub = kinds.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         sub.add_argument("model", nargs="?", default=None)
         sub.add_argument("--peer", action="append", default=[], help=f"also run a peer: {', '.join(PEERS)}")
@@ -74,53 +72,11 @@ def add_bench_parser(commands) -> None:
             )
 
 
-def _engine(args: argparse.Namespace) -> LLMEngine:
-    for peer in args.peer:
-        if peer not in PEERS:
-            raise SystemExit(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
-    if args.max_model_len is None:
-        args.max_model_len = 2048
-    return LLMEngine(engine_config_from_args(args.model, args))
-
-
-def _requests(engine: LLMEngine, args, scenario: str, num: int):
-    if args.input_len >= engine.max_model_len:
-        raise SystemExit(f"--input-len {args.input_len} does not fit max_model_len={engine.max_model_len}")
-    return _dataset(engine.tokenizer, engine.runner.arch.vocab_size, args, scenario, num)
-
-
-def _dataset(tokenizer, vocab_size: int, args, scenario: str, num: int):
-    if args.dataset == "random":
-        return random_requests(vocab_size, num, args.input_len, args.output_len, args.seed)
-    if tokenizer is None:
-        raise SystemExit("this model has no tokenizer: use --dataset random")
-    if args.dataset == "workload":
-        return scenario_requests(tokenizer.encode, scenario, num, args.input_len, args.output_len)
-    if not Path(args.dataset).is_file():
-        raise SystemExit(f"--dataset {args.dataset!r} is neither workload, random nor a JSONL file")
-    return jsonl_requests(args.dataset, tokenizer.encode, args.output_len)[:num]
-
-
 def _hf_peer(engine: LLMEngine):
     from heteroserve.bench.hf_peer import HFPeer
     from heteroserve.model.loader.source import resolve_model
 
     return HFPeer(resolve_model(engine.config.model.model), engine.dtype)
-
-
-def _report(args, result: dict) -> None:
-    result["machine"] = describe_machine(result.pop("_platform"))
-    result["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    if args.plot:
-        from heteroserve.bench.plot import plot_result
-
-        args.plot.parent.mkdir(parents=True, exist_ok=True)
-        plot_result(result, args.plot)
-        print(f"wrote {args.plot}")
-    if args.output_json:
-        args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        args.output_json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.output_json}")
 
 
 def _match_rate(ours: list[list[int]], theirs: list[list[int]]) -> float:
@@ -129,8 +85,8 @@ def _match_rate(ours: list[list[int]], theirs: list[list[int]]) -> float:
 
 
 def _throughput(args) -> None:
-    engine = _engine(args)
-    requests = _requests(engine, args, args.scenario, args.num_requests)
+    engine = build_engine(args)
+    requests = engine_requests(engine, args, args.scenario, args.num_requests)
     run = run_batch(engine, requests)
     result = {
         "command": "throughput",
@@ -186,12 +142,12 @@ def _throughput(args) -> None:
                 f"{result['peers'][label]['heteroserve_ratio']:.2f}x; identical greedy outputs "
                 f"{_match_rate(run.outputs, peer_run.outputs):.0%}"
             )
-    _report(args, result)
+    write_report(args, result)
 
 
 def _latency(args) -> None:
-    engine = _engine(args)
-    prompt = _requests(engine, args, "A", 1)[0][0]
+    engine = build_engine(args)
+    prompt = engine_requests(engine, args, "A", 1)[0][0]
     ours = single_stream(engine, prompt, args.output_len, args.repeats)
     samples = ours.pop("inter_token_samples_ms")
     ours["quantization"] = engine.config.model.quantization or "as checkpoint"
@@ -215,141 +171,4 @@ def _latency(args) -> None:
             f"hf: prefill {theirs['prefill_ms']:.1f} ms, decode {theirs['decode_tokens_per_s']:.1f} tok/s -> "
             f"heteroserve decode {theirs['decode_ratio']:.2f}x, prefill {theirs['prefill_ratio']:.2f}x faster"
         )
-    _report(args, result)
-
-
-def _server_flags(args) -> list[str]:
-    flags = [
-        "--max-model-len",
-        str(args.max_model_len),
-        "--kernels",
-        args.kernels,
-        "--dtype",
-        args.dtype,
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--block-size",
-        str(args.block_size),
-    ]
-    if args.kv_cache_memory_bytes:
-        flags += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
-    if args.max_num_batched_tokens:
-        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if args.quantization:
-        flags += ["--quantization", args.quantization]
-    if not args.enable_prefix_caching:
-        flags += ["--no-enable-prefix-caching"]
-    return flags
-
-
-def _serve(args) -> None:
-    import asyncio
-
-    import httpx
-
-    from heteroserve.bench.serve import OwnServer, run_clients, start_gateway, summarize
-    from heteroserve.model.loader import load_tokenizer
-    from heteroserve.model.loader.source import resolve_model
-    from heteroserve.platforms import resolve_platform
-
-    if args.max_model_len is None:
-        args.max_model_len = 2048
-    if args.gateway:
-        if args.base_url is not None:
-            raise SystemExit("--gateway measures our own server directly and through a gateway: drop --base-url")
-        args.enable_prefix_caching = False  # the same prompts run twice; cache hits would favour the second run
-    own = args.base_url is None
-    compare = own if args.compare_offline is None else args.compare_offline
-    tokenizer = load_tokenizer(resolve_model(args.model))
-    vocab = len(tokenizer) if tokenizer is not None else 0
-    requests = _dataset(tokenizer, vocab, args, "C", args.num_requests)
-    # Concurrency-1 requests use prompts of their own, so neither side finds them in its prefix cache.
-    single = _dataset(tokenizer, vocab, args, "C", args.num_requests + args.ttft_requests)[args.num_requests :]
-    single = [(p, 8) for p, _ in single]
-    server = OwnServer(args.model, _server_flags(args)) if own else None
-    url = server.url if own else args.base_url.rstrip("/")
-    try:
-        httpx.get(
-            f"{url}/v1/models", timeout=10, headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        ).raise_for_status()
-    except httpx.HTTPError as exc:
-        if server:
-            server.stop()
-        raise SystemExit(f"cannot reach an OpenAI-compatible server at {url}: {exc}") from exc
-
-    def measure(target: str, model: str | None) -> tuple[dict, list]:
-        asyncio.run(run_clients(target, requests[:1], 1, None, model, args.api_key))  # warm-up
-        wall, timings = asyncio.run(
-            run_clients(target, requests, args.concurrency, args.request_rate, model, args.api_key, args.seed)
-        )
-        summary = summarize(wall, timings)
-        ttft_wall, ttft_timings = asyncio.run(run_clients(target, single, 1, None, model, args.api_key))
-        summary["concurrency_1"] = summarize(ttft_wall, ttft_timings)
-        return summary, timings
-
-    via_gateway = None
-    try:
-        serving, timings = measure(url, args.served_model)
-        if args.gateway:
-            import tempfile
-
-            model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-            with tempfile.TemporaryDirectory() as folder:
-                gateway = start_gateway(url, model, folder)
-                try:
-                    via_gateway, _ = measure(gateway.url, model)
-                finally:
-                    gateway.stop()
-    finally:
-        if server:
-            server.stop()
-    result = {
-        "command": "serve",
-        "base_url": None if own else url,
-        "concurrency": args.concurrency,
-        "request_rate": args.request_rate,
-        "num_requests": len(requests),
-        "prompt_fingerprint": fingerprint([p for p, _ in requests]),
-        "heteroserve": serving,
-        "peers": {},
-        "latency_samples_ms": {
-            "TTFT": [1000 * t.ttft_s for t in timings if t.ttft_s is not None],
-            "inter-token": [1000 * x for t in timings for x in t.inter_token_s],
-        },
-        "_platform": resolve_platform(args.device),
-    }
-    if via_gateway is not None:
-        result["via_gateway"] = via_gateway
-        result["gateway_throughput_ratio"] = via_gateway["output_tokens_per_s"] / serving["output_tokens_per_s"]
-        result["gateway_ttft_overhead_ms"] = (
-            via_gateway["concurrency_1"]["ttft_ms"]["p50"] - serving["concurrency_1"]["ttft_ms"]["p50"]
-        )
-        print(
-            f"through the gateway: {via_gateway['output_tokens_per_s']:.1f} output tok/s "
-            f"({result['gateway_throughput_ratio']:.0%} of direct); TTFT p50 at concurrency 1 "
-            f"{via_gateway['concurrency_1']['ttft_ms']['p50']:.1f} ms vs direct "
-            f"{serving['concurrency_1']['ttft_ms']['p50']:.1f} ms (+{result['gateway_ttft_overhead_ms']:.1f} ms)"
-        )
-    print(
-        f"server: {serving['output_tokens_per_s']:.1f} output tok/s over {len(requests)} requests at concurrency "
-        f"{args.concurrency}; TTFT p50 {serving['ttft_ms']['p50']:.0f} ms p99 {serving['ttft_ms']['p99']:.0f} ms; "
-        f"inter-token p50 {serving['inter_token_ms']['p50']:.1f} ms; errors {len(serving['errors'])}"
-    )
-    if compare:
-        engine = _engine(args)
-        offline = run_batch(engine, requests)
-        offline_tps = offline.output_tokens / offline.wall_s
-        first_token_ms = sorted(
-            1000 * time_to_first_token(engine, f"ttft-{i}", prompt, 8) for i, (prompt, _) in enumerate(single)
-        )
-        offline_ttft = first_token_ms[len(first_token_ms) // 2]
-        result["offline"] = {"output_tokens_per_s": offline_tps, "ttft_p50_ms_concurrency_1": offline_ttft}
-        result["server_vs_offline_throughput"] = serving["output_tokens_per_s"] / offline_tps
-        result["server_ttft_overhead_ms"] = serving["concurrency_1"]["ttft_ms"]["p50"] - offline_ttft
-        print(
-            f"offline engine: {offline_tps:.1f} output tok/s -> server reaches "
-            f"{result['server_vs_offline_throughput']:.0%}; TTFT p50 at concurrency 1: server "
-            f"{serving['concurrency_1']['ttft_ms']['p50']:.1f} ms vs offline {offline_ttft:.1f} ms "
-            f"(+{result['server_ttft_overhead_ms']:.1f} ms)"
-        )
-    _report(args, result)
+    write_report(args, result)

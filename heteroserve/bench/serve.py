@@ -34,7 +34,7 @@ def percentiles(values: list[float], scale: float = 1000.0) -> dict[str, float |
     return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": scale * statistics.fmean(ordered)}
 
 
-async def _one(
+async def stream_request(
     client: httpx.AsyncClient, url: str, model: str | None, prompt: list[int], max_tokens: int, api_key: str | None
 ) -> RequestTiming:
     timing = RequestTiming()
@@ -93,7 +93,7 @@ async def run_clients(
         async def guarded(prompt, max_tokens, delay):
             await asyncio.sleep(delay)
             async with limit:
-                return await _one(client, url, model, prompt, max_tokens, api_key)
+                return await stream_request(client, url, model, prompt, max_tokens, api_key)
 
         delays, t = [], 0.0
         for _ in requests:

@@ -107,16 +107,22 @@ def test_serve_against_a_running_server(server, tmp_path):
         "5",
         "--ttft-requests",
         "2",
+        "--compare-offline",
         "--output-json",
         str(out),
         "--plot",
         str(png),
+        *SMALL,
     )
     result = json.loads(out.read_text())
     serving = result["heteroserve"]
     assert serving["errors"] == [] and serving["output_tokens"] == 4 * 5
     assert serving["ttft_ms"]["p50"] > 0 and serving["inter_token_ms"]["p99"] >= serving["inter_token_ms"]["p50"]
     assert serving["concurrency_1"]["requests"] == 2
+    pairs = result["offline"]["paired_ttft"]
+    assert pairs["pairs"] == len(pairs["overhead_samples_ms"]) == 2
+    assert result["server_ttft_overhead_ms"] == pytest.approx(sum(pairs["overhead_samples_ms"]) / 2)
+    assert result["offline"]["output_tokens_per_s"] > 0 and result["server_vs_offline_throughput"] > 0
     assert png.read_bytes().startswith(PNG_MAGIC)
 
 

@@ -1,0 +1,57 @@
+"""What every bench command shares: the engine under test, the prompts, the peers' names, the report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from heteroserve.bench.machine import describe_machine
+from heteroserve.bench.workload import jsonl_requests, random_requests, scenario_requests
+from heteroserve.engine.llm_engine import LLMEngine
+from heteroserve.entrypoints.engine_args import engine_config_from_args
+
+PEERS = ("hf",)
+
+
+def build_engine(args: argparse.Namespace) -> LLMEngine:
+    for peer in args.peer:
+        if peer not in PEERS:
+            raise SystemExit(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
+    if args.max_model_len is None:
+        args.max_model_len = 2048
+    return LLMEngine(engine_config_from_args(args.model, args))
+
+
+def engine_requests(engine: LLMEngine, args, scenario: str, num: int):
+    if args.input_len >= engine.max_model_len:
+        raise SystemExit(f"--input-len {args.input_len} does not fit max_model_len={engine.max_model_len}")
+    return dataset(engine.tokenizer, engine.runner.arch.vocab_size, args, scenario, num)
+
+
+def dataset(tokenizer, vocab_size: int, args, scenario: str, num: int):
+    if args.dataset == "random":
+        return random_requests(vocab_size, num, args.input_len, args.output_len, args.seed)
+    if tokenizer is None:
+        raise SystemExit("this model has no tokenizer: use --dataset random")
+    if args.dataset == "workload":
+        return scenario_requests(tokenizer.encode, scenario, num, args.input_len, args.output_len)
+    if not Path(args.dataset).is_file():
+        raise SystemExit(f"--dataset {args.dataset!r} is neither workload, random nor a JSONL file")
+    return jsonl_requests(args.dataset, tokenizer.encode, args.output_len)[:num]
+
+
+def write_report(args, result: dict) -> None:
+    result["machine"] = describe_machine(result.pop("_platform"))
+    result["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    if args.plot:
+        from heteroserve.bench.plot import plot_result
+
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_result(result, args.plot)
+        print(f"wrote {args.plot}")
+    if args.output_json:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.output_json}")
