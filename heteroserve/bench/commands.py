@@ -38,7 +38,8 @@ def add_bench_parser(commands) -> None:
                 "--hf-requests",
                 type=int,
                 default=None,
-                help="run transformers batch size 1 on this many requests and scale (cost is linear)",
+                help="run the one-at-a-time baselines (transformers, llama.cpp) on this many requests and scale "
+                "(their cost is linear)",
             )
         elif name == "latency":
             sub.add_argument("--input-len", type=int, default=32)
@@ -72,11 +73,25 @@ def add_bench_parser(commands) -> None:
             )
 
 
-def _hf_peer(engine: LLMEngine):
-    from heteroserve.bench.hf_peer import HFPeer
+def _peers(engine: LLMEngine, args, result: dict):
+    """(name, peer) for each --peer that can run here; one that cannot is recorded as skipped, with why."""
     from heteroserve.model.loader.source import resolve_model
 
-    return HFPeer(resolve_model(engine.config.model.model), engine.dtype)
+    source = resolve_model(engine.config.model.model)
+    for name in args.peer:
+        if name == "hf":
+            from heteroserve.bench.hf_peer import HFPeer
+
+            yield name, HFPeer(source, engine.dtype)
+            continue
+        from heteroserve.bench.llama_cpp_peer import LlamaCppPeer, llama_cpp_missing
+
+        missing = llama_cpp_missing()
+        if missing is not None:
+            print(f"skipping the llama-cpp peer: {missing}")
+            result["peers"][name] = {"skipped": missing}
+            continue
+        yield name, LlamaCppPeer(source, engine.max_model_len)
 
 
 def _match_rate(ours: list[list[int]], theirs: list[list[int]]) -> float:
@@ -117,30 +132,27 @@ def _throughput(args) -> None:
         f"heteroserve: {run.wall_s:.1f} s, {run.output_tokens / run.wall_s:.1f} output tok/s, "
         f"peak KV blocks {run.peak_kv_blocks} (needed {run.kv_blocks_needed}, allocated {run.kv_blocks_allocated})"
     )
-    if "hf" in args.peer:
-        peer = _hf_peer(engine)
-        for batch in (int(b) for b in args.hf_batch.split(",") if b):
-            subset = requests
-            if batch == 1 and args.hf_requests:
-                subset = requests[: args.hf_requests]
+    for name, peer in _peers(engine, args, result):
+        batches = [int(b) for b in args.hf_batch.split(",") if b] if name == "hf" else [1]
+        for batch in batches:
+            subset = requests[: args.hf_requests] if batch == 1 and args.hf_requests else requests
             peer_run = peer.run_batches(subset, batch)
             scale = len(requests) / len(subset)
-            wall = peer_run.wall_s * scale
             tps = peer_run.output_tokens / peer_run.wall_s
-            label = f"hf_static_{batch}" if batch > 1 else "hf_one_at_a_time"
+            label = f"{name}_static_{batch}" if batch > 1 else f"{name}_one_at_a_time"
+            match = _match_rate(run.outputs[: len(subset)], peer_run.outputs)
             result["peers"][label] = {
-                "wall_s": wall,
+                "wall_s": peer_run.wall_s * scale,
                 "measured_requests": len(subset),
                 "scaled": scale != 1,
                 "output_tokens_per_s": tps,
                 "heteroserve_ratio": (run.output_tokens / run.wall_s) / tps,
-                "greedy_match_rate": _match_rate(run.outputs, peer_run.outputs),
+                "greedy_match_rate": match,
             }
             note = f" (measured on {len(subset)} requests, scaled)" if scale != 1 else ""
             print(
-                f"{label}: {wall:.1f} s{note}, {tps:.1f} output tok/s -> heteroserve is "
-                f"{result['peers'][label]['heteroserve_ratio']:.2f}x; identical greedy outputs "
-                f"{_match_rate(run.outputs, peer_run.outputs):.0%}"
+                f"{label}: {peer_run.wall_s * scale:.1f} s{note}, {tps:.1f} output tok/s -> heteroserve is "
+                f"{result['peers'][label]['heteroserve_ratio']:.2f}x; identical greedy outputs {match:.0%}"
             )
     write_report(args, result)
 
@@ -162,13 +174,13 @@ def _latency(args) -> None:
         "_platform": engine.platform,
     }
     print(f"heteroserve: prefill {ours['prefill_ms']:.1f} ms, decode {ours['decode_tokens_per_s']:.1f} tok/s")
-    if "hf" in args.peer:
-        theirs = _hf_peer(engine).single_stream(prompt, args.output_len, args.repeats)
+    for name, peer in _peers(engine, args, result):
+        theirs = peer.single_stream(prompt, args.output_len, args.repeats)
         theirs["decode_ratio"] = ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
         theirs["prefill_ratio"] = theirs["prefill_ms"] / ours["prefill_ms"]
-        result["peers"]["hf"] = theirs
+        result["peers"][name] = theirs
         print(
-            f"hf: prefill {theirs['prefill_ms']:.1f} ms, decode {theirs['decode_tokens_per_s']:.1f} tok/s -> "
+            f"{name}: prefill {theirs['prefill_ms']:.1f} ms, decode {theirs['decode_tokens_per_s']:.1f} tok/s -> "
             f"heteroserve decode {theirs['decode_ratio']:.2f}x, prefill {theirs['prefill_ratio']:.2f}x faster"
         )
     write_report(args, result)

@@ -12,7 +12,7 @@ from heteroserve.bench.workload import jsonl_requests, random_requests, scenario
 from heteroserve.engine.llm_engine import LLMEngine
 from heteroserve.entrypoints.engine_args import engine_config_from_args
 
-PEERS = ("hf",)
+PEERS = ("hf", "llama-cpp")
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:

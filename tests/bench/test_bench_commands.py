@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -89,6 +90,32 @@ def test_throughput_scenario_d_and_latency(tmp_path):
     result = json.loads(lat.read_text())
     assert result["heteroserve"]["prefill_ms"] > 0 and result["heteroserve"]["decode_tokens_per_s"] > 0
     assert result["peers"]["hf"]["decode_ratio"] > 0
+
+
+def test_llama_cpp_peer_runs_the_same_gguf_or_says_why_not(tmp_path):
+    """With llama-cpp-python installed (the [llama-cpp] extra) the peer runs the default GGUF one request at a
+    time; without it the run still completes and the result says the peer was skipped and why."""
+    out = tmp_path / "l.json"
+    bench(
+        "throughput",
+        "--num-requests",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "5",
+        "--peer",
+        "llama-cpp",
+        "--output-json",
+        str(out),
+        *SMALL,
+    )
+    peers = json.loads(out.read_text())["peers"]
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert "llama-cpp-python is not installed" in peers["llama-cpp"]["skipped"]
+        return
+    run = peers["llama-cpp_one_at_a_time"]
+    assert run["output_tokens_per_s"] > 0 and run["measured_requests"] == 2 and 0 <= run["greedy_match_rate"] <= 1
 
 
 def test_serve_against_a_running_server(server, tmp_path):
