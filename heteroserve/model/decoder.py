@@ -95,10 +95,11 @@ class DecoderModel(nn.Module):
                 self._prepare(owner, name, getattr(owner, name))
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         # A tied head gets its own prepared copy: the embedding lookup needs the plain layout.
-        self._prepare(self, "lm_head", head)
+        self._prepare(self, "lm_head", head, self.linear.prepare_lm_head)
 
-    def _prepare(self, owner: nn.Module, name: str, weight) -> None:
-        prepared = self.linear.prepare(weight.data if isinstance(weight, torch.Tensor) else weight)
+    def _prepare(self, owner: nn.Module, name: str, weight, prepare=None) -> None:
+        prepare = prepare or self.linear.prepare
+        prepared = prepare(weight.data if isinstance(weight, torch.Tensor) else weight)
         owner._parameters.pop(name, None)
         if isinstance(prepared, torch.Tensor):
             setattr(owner, name, nn.Parameter(prepared, requires_grad=False))

@@ -51,6 +51,15 @@ class Int4Weight:
         w = (groups - 8) * self.scale[..., None] + self.zero[..., None]
         return w.view(n, k).to(dtype)
 
+    def regroup(self, group_size: int) -> Int4Weight:
+        """The same weight described with smaller groups (each scale and zero repeated), for kernels that
+        accept only some group sizes; `group_size` must divide the current one."""
+        if self.group_size % group_size:
+            raise ValueError(f"group size {group_size} does not divide {self.group_size}")
+        repeat = self.group_size // group_size
+        scale, zero = self.scale.repeat_interleave(repeat, 1), self.zero.repeat_interleave(repeat, 1)
+        return Int4Weight(self.packed, scale, zero, group_size)
+
     def permute_rows(self, order: torch.Tensor) -> Int4Weight:
         return Int4Weight(self.packed[order], self.scale[order], self.zero[order], self.group_size)
 
