@@ -34,9 +34,6 @@ class PermutedInput:
         sorted_columns = self.weight.dequantize(dtype)
         return torch.empty_like(sorted_columns).index_copy_(1, self.order, sorted_columns)
 
-    def permute_rows(self, order: torch.Tensor) -> PermutedInput:
-        return PermutedInput(self.weight.permute_rows(order), self.order)
-
     @staticmethod
     def cat(parts: list[PermutedInput]) -> PermutedInput | None:
         """Fused projections (q/k/v, gate/up) read one input: their column orders must agree; None otherwise.
