@@ -124,7 +124,7 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         if isinstance(self.embed_tokens, torch.Tensor):
             x = F.embedding(input_ids, self.embed_tokens)
-        else:  # an 8-bit embedding dequantises just the rows looked up
+        else:  # a compressed embedding dequantises just the rows looked up
             x = self.embed_tokens.rows(input_ids).to(self.norm.weight.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, positions, self.rotary, kv_cache, meta)

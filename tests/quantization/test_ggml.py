@@ -84,7 +84,8 @@ def _tensor(writer: GGUFWriter, name: str, qtype: T, shape: tuple[int, int], rng
         writer.add_tensor(name, (values.view(np.uint32) >> 16).astype(np.uint16), raw_shape=shape, raw_dtype=T.BF16)
 
 
-def write_mixed_gguf(path: Path, override: dict[str, T] | None = None) -> Path:
+def write_mixed_gguf(path: Path, override: dict[str, T] | None = None, embedding: T = T.Q6_K) -> Path:
+    """Untied with a Q6_K embedding and a Q5_K head; with a 4-bit `embedding`, tied (it is also the head)."""
     rng = np.random.default_rng(3)
     writer = GGUFWriter(path, "llama")
     for key, value in (("context_length", 256), ("embedding_length", HIDDEN), ("block_count", 3)):
@@ -96,9 +97,11 @@ def write_mixed_gguf(path: Path, override: dict[str, T] | None = None) -> Path:
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(VOCAB)
-    _tensor(writer, "token_embd.weight", T.Q6_K, (VOCAB, HIDDEN), rng, 0.02)  # kept 8-bit, rows looked up
+    tied = embedding in (T.Q4_0, T.Q4_1, T.Q4_K)
+    _tensor(writer, "token_embd.weight", embedding, (VOCAB, HIDDEN), rng, 0.003 if tied else 0.02)  # rows looked up
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-    _tensor(writer, "output.weight", T.Q5_K, (VOCAB, HIDDEN), rng, 0.003)
+    if not tied:
+        _tensor(writer, "output.weight", T.Q5_K, (VOCAB, HIDDEN), rng, 0.003)
     shapes = {"attn_q": (HEADS * HEAD_DIM, HIDDEN), "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN)}
     shapes |= {"attn_v": (KV_HEADS * HEAD_DIM, HIDDEN), "attn_output": (HIDDEN, HEADS * HEAD_DIM)}
     shapes |= {"ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
@@ -115,9 +118,9 @@ def write_mixed_gguf(path: Path, override: dict[str, T] | None = None) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def mixed_gguf(tmp_path_factory):
-    return write_mixed_gguf(tmp_path_factory.mktemp("ggml") / "mixed.gguf")
+@pytest.fixture(scope="module", params=[T.Q6_K, T.Q4_K], ids=["q6_k-embedding", "q4_k-tied-embedding"])
+def mixed_gguf(request, tmp_path_factory):
+    return write_mixed_gguf(tmp_path_factory.mktemp("ggml") / "mixed.gguf", embedding=request.param)
 
 
 def _logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
@@ -130,7 +133,7 @@ def test_mixed_gguf_kept_compressed_matches_its_dequantised_self(mixed_gguf, ker
     kwargs = {"max_model_len": 128, "num_kv_blocks": 16, "kernels": kernels}
     quantized, float_model = LLM(str(mixed_gguf), **kwargs), LLM(str(mixed_gguf), quantization="none", **kwargs)
     model = quantized.engine.runner.model
-    assert isinstance(model.embed_tokens, Int8Weight)
+    assert not isinstance(model.embed_tokens, torch.Tensor)  # compressed, rows dequantised per lookup
     if kernels == "reference":  # every K-quant / Q5 / Q8 projection stays compressed
         assert not isinstance(model.layers[1].self_attn.qkv_proj, torch.Tensor)
         assert not isinstance(model.layers[0].down_proj, torch.Tensor)

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from transformers import AutoConfig, PretrainedConfig
 
-from heteroserve.quantization.ggml import BLOCK_BYTES, INT4_TYPES, ggml_weight
+from heteroserve.quantization.ggml import BLOCK_BYTES, ggml_weight
 from heteroserve.quantization.int4 import Int4Weight
 from heteroserve.quantization.int8 import Int8Weight
 
@@ -103,7 +103,7 @@ def _unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-# Tensors a matrix product reads; the token embedding is looked up by row.
+# Tensors a matrix product reads.
 _LINEAR_SUFFIXES = (
     "attn_q.weight",
     "attn_k.weight",
@@ -124,14 +124,8 @@ def tensor_type(tensor) -> GGMLQuantizationType:
 
 
 def kept_compressed(tensor) -> bool:
-    """Projections of every type `ggml_weight` reads stay compressed; so does an 8-bit-or-narrower token
-    embedding that Int8Weight can look rows up in (4-bit embeddings are dequantised: no row lookup for them)."""
-    qtype = tensor_type(tensor)
-    if qtype not in BLOCK_BYTES:
-        return False
-    if tensor.name == "token_embd.weight":
-        return qtype not in INT4_TYPES
-    return tensor.name.endswith(_LINEAR_SUFFIXES)
+    """Projections and the token embedding (looked up by rows) of every type `ggml_weight` reads."""
+    return tensor_type(tensor) in BLOCK_BYTES and tensor.name.endswith((*_LINEAR_SUFFIXES, "token_embd.weight"))
 
 
 def iterate_gguf(
