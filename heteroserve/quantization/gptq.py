@@ -78,9 +78,9 @@ def gptq_weight(
             f"do not fit {bits}-bit GPTQ (the config says bits={bits}; is that the checkpoint's bit width?)"
         )
     group = k if config.group_size == -1 else min(config.group_size, k)  # a group wider than the row is the row
-    groups = -(-k // group)
     if k % group:
         raise ValueError(f"{name}: {k} input columns are not a multiple of group_size {group} (unsupported)")
+    groups = k // group
     if scales.shape[0] != groups or qzeros.shape[0] != groups:
         raise ValueError(
             f"{name}: {scales.shape[0]} scale groups for {k} input columns do not fit group_size {config.group_size}"
