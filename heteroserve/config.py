@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
-# None: what the checkpoint has (a GGUF's 4-bit tensors stay 4-bit); "none": dequantise everything;
-# "gguf": insist on a GGUF file; "int4": quantise a float checkpoint's projections at load time.
-QUANTIZATIONS = (None, "none", "gguf", "int4")
+# None: what the checkpoint has (detected: GGUF, GPTQ, AWQ or float); "none": dequantise everything;
+# "gguf" / "gptq" / "awq": insist on that format; "int4" / "int8": quantise a float checkpoint at load time.
+QUANTIZATIONS = (None, "none", "gguf", "gptq", "awq", "int4", "int8")
 
 
 @dataclass

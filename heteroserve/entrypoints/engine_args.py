@@ -56,9 +56,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=None,
-        choices=["none", "gguf", "int4"],
-        help="unset: as the checkpoint is (GGUF 4-bit stays 4-bit); none: dequantise; "
-        "int4: quantise a float checkpoint at load",
+        choices=["none", "gguf", "gptq", "awq", "int4", "int8"],
+        help="unset: as the checkpoint is (GGUF, GPTQ, AWQ detected and kept compressed); none: dequantise; "
+        "gguf/gptq/awq: insist on that format; int4/int8: quantise a float checkpoint at load",
     )
     group.add_argument("--seed", type=int, default=0, help="engine seed (and the bench's random dataset seed)")
 

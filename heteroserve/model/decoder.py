@@ -95,10 +95,11 @@ class DecoderModel(nn.Module):
                 self._prepare(owner, name, getattr(owner, name))
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         # A tied head gets its own prepared copy: the embedding lookup needs the plain layout.
-        self._prepare(self, "lm_head", head)
+        self._prepare(self, "lm_head", head, self.linear.prepare_lm_head)
 
-    def _prepare(self, owner: nn.Module, name: str, weight) -> None:
-        prepared = self.linear.prepare(weight.data if isinstance(weight, torch.Tensor) else weight)
+    def _prepare(self, owner: nn.Module, name: str, weight, prepare=None) -> None:
+        prepare = prepare or self.linear.prepare
+        prepared = prepare(weight.data if isinstance(weight, torch.Tensor) else weight)
         owner._parameters.pop(name, None)
         if isinstance(prepared, torch.Tensor):
             setattr(owner, name, nn.Parameter(prepared, requires_grad=False))
@@ -123,7 +124,7 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         if isinstance(self.embed_tokens, torch.Tensor):
             x = F.embedding(input_ids, self.embed_tokens)
-        else:  # an 8-bit embedding dequantises just the rows looked up
+        else:  # a compressed embedding dequantises just the rows looked up
             x = self.embed_tokens.rows(input_ids).to(self.norm.weight.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, positions, self.rotary, kv_cache, meta)

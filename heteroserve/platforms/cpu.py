@@ -10,8 +10,10 @@ import torch
 
 from heteroserve.config import DEFAULT_CPU_KV_CACHE_BYTES
 from heteroserve.platforms.cpu_int4 import CpuInt4Weight
+from heteroserve.platforms.cpu_int8 import CpuInt8Weight
 from heteroserve.platforms.interface import Platform
 from heteroserve.platforms.operators import LinearOp
+from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.int4 import Int4Weight
 from heteroserve.quantization.int8 import Int8Weight
 
@@ -65,26 +67,48 @@ def host_memory() -> tuple[int, int]:
 
 class OneDnnLinear(LinearOp):
     """oneDNN with weights repacked once for its blocked layout: on a 2-core AVX-512 machine about 2x
-    eager torch.matmul at 1-64 rows and 1.3x at 512+ (bench/README.md). 4-bit weights go to torch's
-    int4 kernel where it has one (see CpuInt4Weight)."""
+    eager torch.matmul at 1-64 rows and 1.3x at 512+ (bench/README.md). Compressed weights go to torch's
+    int4 kernel (CpuInt4Weight) or per-channel int8 kernel (CpuInt8Weight) where it has one; grouped 8-bit
+    weights have no CPU kernel, and dequantising them on the fly costs 2-8x float32 oneDNN (cpu_int8.py), so
+    they are expanded to float once at load."""
 
     name = "onednn-packed"
     PACK_ROWS = 64  # the batch size the layout is tuned for; other sizes work too
 
-    def __init__(self, int4_kernel: bool = False) -> None:
+    def __init__(
+        self, dtype: torch.dtype = torch.float32, int4_kernel: bool = False, int8_kernel: bool = False
+    ) -> None:
+        self.dtype = dtype  # of the activations; weights expanded at load take it
         self.int4_kernel = int4_kernel
+        self.int8_kernel = int8_kernel
 
     def prepare(self, weight):
+        if isinstance(weight, PermutedInput):
+            if self._expands(weight.weight):  # float anyway: back in input order, no gather needed
+                return self.prepare(weight.dequantize(self.dtype))
+            return PermutedInput(self.prepare(weight.weight), weight.order)
         if isinstance(weight, Int4Weight):
-            return CpuInt4Weight.pack(weight) if self.int4_kernel and weight.shape[0] % 64 == 0 else weight
+            return CpuInt4Weight.pack(weight) if self.int4_kernel and CpuInt4Weight.supports(weight) else weight
         if isinstance(weight, Int8Weight):
-            # An 8-bit LM head (a tied Q8_0 embedding) runs in float32: in bfloat16 the default model's
-            # answer to "What is the capital of France?" turned into "L'Étoile, la Marseillaise, ...".
-            weight = weight.dequantize()
+            if not self._expands(weight):
+                return CpuInt8Weight.pack(weight)
+            weight = weight.dequantize(self.dtype)
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_ROWS)
 
+    def _expands(self, weight) -> bool:
+        return isinstance(weight, Int8Weight) and not (self.int8_kernel and CpuInt8Weight.supports(weight))
+
+    def prepare_lm_head(self, weight):
+        # An 8-bit LM head (a tied Q8_0 embedding) runs in float32: in bfloat16 the default model's
+        # answer to "What is the capital of France?" turned into "L'Étoile, la Marseillaise, ...".
+        if isinstance(weight, Int8Weight):
+            weight = weight.dequantize()
+        return self.prepare(weight)
+
     def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(weight, CpuInt4Weight):
+        if isinstance(weight, PermutedInput):
+            return self(weight.gather(x), weight.weight, bias)
+        if isinstance(weight, (CpuInt4Weight, CpuInt8Weight)):
             return weight.matmul(x, bias)
         if isinstance(weight, (Int4Weight, Int8Weight)):
             return super().__call__(x, weight, bias)
@@ -94,13 +118,28 @@ class OneDnnLinear(LinearOp):
 def _int4_kernel_works() -> bool:
     """torch's CPU int4 kernel exists and packs in the layout CpuInt4Weight reads back."""
     try:
-        q = torch.randint(0, 16, (64, 64), dtype=torch.int32)
-        w = Int4Weight.from_values(q, torch.rand(64, 2) + 0.5, torch.randn(64, 2), 32)
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randint(0, 16, (64, 64), dtype=torch.int32, generator=gen)
+        w = Int4Weight.from_values(q, torch.rand(64, 2, generator=gen) + 0.5, torch.randn(64, 2, generator=gen), 32)
         packed = CpuInt4Weight.pack(w)
         if not torch.equal(packed.dequantize(), w.dequantize()):
             return False
-        x = torch.randn(2, 64)
-        return torch.allclose(packed.matmul(x, None), x @ w.dequantize().T, rtol=2e-2, atol=2e-1)
+        x = torch.randn(2, 64, generator=gen)
+        expected = x @ w.dequantize().T
+        return float((packed.matmul(x, None) - expected).norm() / expected.norm()) < 1e-2
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def _int8_kernel_works() -> bool:
+    """torch's CPU int8 kernel exists and computes x (q * scale)^T."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randint(-127, 128, (32, 64), dtype=torch.int8, generator=gen)
+        w = Int8Weight(q, torch.rand(32, 1, generator=gen) + 0.5, 64)
+        x = torch.randn(2, 64, generator=gen)
+        expected = x @ w.dequantize().T
+        return float((CpuInt8Weight.pack(w).matmul(x, None) - expected).norm() / expected.norm()) < 1e-2
     except (RuntimeError, AttributeError):
         return False
 
@@ -109,7 +148,7 @@ def _onednn_works(dtype: torch.dtype) -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        op = OneDnnLinear()
+        op = OneDnnLinear(dtype)
         w = torch.randn(8, 16, dtype=dtype)
         x = torch.randn(3, 16, dtype=dtype)
         return torch.allclose(op(x, op.prepare(w)).float(), (x @ w.T).float(), rtol=1e-2, atol=1e-2)
@@ -140,7 +179,7 @@ class CpuPlatform(Platform):
 
     def linear_op(self, dtype: torch.dtype, kernels: str = "auto") -> LinearOp:
         if kernels == "auto" and dtype in (torch.float32, torch.bfloat16) and _onednn_works(dtype):
-            return OneDnnLinear(int4_kernel=_int4_kernel_works())
+            return OneDnnLinear(dtype, int4_kernel=_int4_kernel_works(), int8_kernel=_int8_kernel_works())
         return LinearOp()
 
     def kv_cache_budget_bytes(self, requested: int | None, memory_utilization: float | None = None) -> int:

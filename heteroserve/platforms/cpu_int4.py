@@ -4,6 +4,8 @@ The kernel is fast only with bfloat16 activations (AVX-512 BF16 micro-kernels), 
 to bfloat16 inside it. Measured on a 2-core AVX-512 machine for SmolLM2's projections: at one row it reads
 4 bits a weight and beats float32 oneDNN several times over (decode); from 8 rows on it costs 1.0-1.4x
 float32 oneDNN, while dequantising to float32 on the fly first costs 2-40x. So every batch size uses it.
+It accepts groups of 32, 64, 128 or 256 input columns; larger groups (GPTQ per-channel) are described with
+smaller ones by repeating their scales.
 """
 
 from __future__ import annotations
@@ -15,35 +17,56 @@ import torch
 from heteroserve.quantization.int4 import Int4Weight
 
 _BLOCK_N = 64  # the kernel's packed layout: [N / 64, K, 32] bytes, rows j and j + 32 of a block in one byte
+KERNEL_GROUPS = (256, 128, 64, 32)
+
+
+def kernel_group(weight: Int4Weight) -> int | None:
+    """The largest group size the kernel takes that describes `weight` exactly, or None."""
+    return next((g for g in KERNEL_GROUPS if weight.group_size % g == 0), None)
 
 
 @dataclass
 class CpuInt4Weight:
     packed: torch.Tensor  # uint8 [N / 64, K, 32], the kernel's layout
     scales_and_zeros: torch.Tensor  # bfloat16 [K / group, N, 2], for the kernel
-    scale: torch.Tensor  # float32 [N, K / group], for exact dequantisation
+    scale: torch.Tensor  # float32 [N, K / original group], for exact dequantisation
     zero: torch.Tensor
-    group_size: int
+    original_group: int
+
+    @classmethod
+    def supports(cls, weight: Int4Weight) -> bool:
+        return weight.shape[0] % _BLOCK_N == 0 and kernel_group(weight) is not None
 
     @classmethod
     def pack(cls, weight: Int4Weight) -> CpuInt4Weight:
+        regrouped = weight.regroup(kernel_group(weight))
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.values().to(torch.int32), 1)
         n, k = weight.shape
-        sz = torch.stack((weight.scale.t(), weight.zero.t()), dim=-1).to(torch.bfloat16).contiguous()
-        return cls(packed.view(n // _BLOCK_N, k, _BLOCK_N // 2), sz, weight.scale, weight.zero, weight.group_size)
+        sz = torch.stack((regrouped.scale.t(), regrouped.zero.t()), dim=-1).to(torch.bfloat16).contiguous()
+        blocks = packed.view(n // _BLOCK_N, k, _BLOCK_N // 2)
+        return cls(blocks, sz, weight.scale, weight.zero, weight.group_size)
 
     @property
     def shape(self) -> tuple[int, int]:
         blocks, k, _ = self.packed.shape
         return blocks * _BLOCK_N, k
 
+    @property
+    def group_size(self) -> int:
+        """The group size the kernel reads (after any regrouping)."""
+        return self.shape[1] // self.scales_and_zeros.shape[0]
+
     def values(self) -> torch.Tensor:
+        """The 4-bit integers read back from the kernel's layout (tests check it against the canonical form)."""
         low, high = self.packed & 15, self.packed >> 4
         n, k = self.shape
         return torch.cat((low, high), dim=2).permute(0, 2, 1).reshape(n, k)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return Int4Weight.from_values(self.values(), self.scale, self.zero, self.group_size).dequantize(dtype)
+        """Straight from the kernel's layout, in float32 arithmetic as Int4Weight.dequantize does."""
+        n, k = self.shape
+        groups = self.values().view(n, k // self.original_group, self.original_group).float()
+        return ((groups - 8) * self.scale[..., None] + self.zero[..., None]).view(n, k).to(dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         n, k = self.shape

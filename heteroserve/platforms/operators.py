@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from heteroserve.platforms import reference_ops
+from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.int4 import Int4Weight
 from heteroserve.quantization.int8 import Int8Weight
 
@@ -37,10 +38,17 @@ class LinearOp:
 
     name = "torch.linear"
 
-    def prepare(self, weight: torch.Tensor | Int4Weight | Int8Weight) -> torch.Tensor | Int4Weight | Int8Weight:
+    def prepare(self, weight):
+        """A projection weight (a tensor or a heteroserve.quantization weight) in the form __call__ reads."""
         return weight
 
+    def prepare_lm_head(self, weight):
+        """The LM head (possibly the tied embedding's copy); platforms may keep it in a different form."""
+        return self.prepare(weight)
+
     def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, PermutedInput):  # act-order weights read the input columns in their order
+            return self(weight.gather(x), weight.weight, bias)
         if isinstance(weight, (Int4Weight, Int8Weight)):  # the reference for compressed weights: dequantise
             return F.linear(x, weight.dequantize(x.dtype), bias)
         return F.linear(x, weight, bias)

@@ -1,6 +1,8 @@
-"""Quantized weight formats. Each format turns checkpoint tensors into a canonical compressed weight;
-platforms choose the kernel that multiplies by it (heteroserve.platforms)."""
+"""Quantized weight formats. Each format (GGML blocks, GPTQ, AWQ, load-time int4/int8) turns checkpoint tensors
+into a canonical compressed weight; platforms choose the kernel that multiplies by it (heteroserve.platforms)."""
 
+from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.int4 import Int4Weight
+from heteroserve.quantization.int8 import Int8Weight
 
-__all__ = ["Int4Weight"]
+__all__ = ["Int4Weight", "Int8Weight", "PermutedInput"]

@@ -46,10 +46,23 @@ class Int4Weight:
         return torch.stack((low, high), dim=-1).flatten(1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        n, k = self.shape
-        groups = self.values().view(n, k // self.group_size, self.group_size).float()
-        w = (groups - 8) * self.scale[..., None] + self.zero[..., None]
-        return w.view(n, k).to(dtype)
+        return self.rows(slice(None)).to(dtype)
+
+    def rows(self, index) -> torch.Tensor:
+        """Float32 rows `index` (an embedding lookup), without dequantising the rest."""
+        packed = self.packed[index]
+        q = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).float()
+        groups = q.unflatten(-1, (-1, self.group_size))
+        return ((groups - 8) * self.scale[index][..., None] + self.zero[index][..., None]).flatten(-2)
+
+    def regroup(self, group_size: int) -> Int4Weight:
+        """The same weight described with smaller groups (each scale and zero repeated), for kernels that
+        accept only some group sizes; `group_size` must divide the current one."""
+        if self.group_size % group_size:
+            raise ValueError(f"group size {group_size} does not divide {self.group_size}")
+        repeat = self.group_size // group_size
+        scale, zero = self.scale.repeat_interleave(repeat, 1), self.zero.repeat_interleave(repeat, 1)
+        return Int4Weight(self.packed, scale, zero, group_size)
 
     def permute_rows(self, order: torch.Tensor) -> Int4Weight:
         return Int4Weight(self.packed[order], self.scale[order], self.zero[order], self.group_size)

@@ -19,6 +19,7 @@ from heteroserve.model.loader.safetensors_loader import iterate_safetensors
 from heteroserve.model.loader.source import ModelSource, resolve_model
 from heteroserve.model.loader.weights import load_weights, quantize_projections
 from heteroserve.platforms import Platform
+from heteroserve.quantization.checkpoint import checkpoint_quantization, unpack_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -50,23 +51,23 @@ def load_model(config: ModelConfig, platform: Platform, kernels: str = "auto") -
     source = resolve_model(config.model)
     quantization = config.quantization
     if source.gguf_file is not None:
-        if quantization == "int4":
-            raise ValueError("--quantization int4 is for float checkpoints; this GGUF file is already quantised")
+        if quantization in ("int4", "int8"):
+            raise ValueError(
+                f"--quantization {quantization} is for float checkpoints; this GGUF file is already quantised"
+            )
+        if quantization not in (None, "none", "gguf"):
+            raise ValueError(f"--quantization {quantization} does not match {source.gguf_file}: it is a GGUF file")
         reader = open_gguf(source.gguf_file)
         hf_config = gguf_config(reader)
         checkpoint_dtype = torch.float32  # of the tensors that are dequantised
         tensors = iterate_gguf(reader, hf_config, keep_quantized=quantization != "none")
     else:
-        if quantization == "gguf":
-            raise ValueError(f"--quantization gguf does not match {source.folder}: it is not a GGUF file")
         try:
             hf_config = AutoConfig.from_pretrained(source.folder)
         except (ValueError, OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{source.folder}/config.json is not a usable model config: {exc}") from exc
         checkpoint_dtype = _config_dtype(hf_config)
-        tensors = iterate_safetensors(source.folder)
-        if quantization == "int4":
-            tensors = quantize_projections(tensors)
+        tensors = _checkpoint_tensors(source.folder, hf_config, quantization)
     arch = ModelArch.from_hf_config(hf_config)
     dtype = platform.resolve_dtype(config.dtype, checkpoint_dtype)
     max_model_len = config.max_model_len or arch.max_position_embeddings
@@ -88,6 +89,27 @@ def load_model(config: ModelConfig, platform: Platform, kernels: str = "auto") -
     extra_eos = [t for t in _as_list(generation.get("eos_token_id")) if t != eos]
     defaults = {ours: generation[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if theirs in generation}
     return LoadedModel(source, model, hf_config, tokenizer, dtype, max_model_len, eos, extra_eos, defaults)
+
+
+def _checkpoint_tensors(folder: Path, hf_config: PretrainedConfig, quantization: str | None):
+    """The folder's tensors, unpacked from a detected GPTQ/AWQ format or quantised at load as asked."""
+    detected = checkpoint_quantization(folder, hf_config)
+    method = detected[0] if detected else "none (float weights)"
+    if quantization in ("gguf", "gptq", "awq") and quantization != method:
+        wanted = "GGUF file" if quantization == "gguf" else f"{quantization.upper()} checkpoint"
+        raise ValueError(
+            f"--quantization {quantization} does not match {folder}: it is not a {wanted} (found: {method})"
+        )
+    if quantization in ("int4", "int8") and detected:
+        raise ValueError(
+            f"--quantization {quantization} is for float checkpoints; {folder} is already quantised ({method})"
+        )
+    tensors = iterate_safetensors(folder)
+    if detected:
+        return unpack_checkpoint(tensors, *detected, dequantize=quantization == "none")
+    if quantization in ("int4", "int8"):
+        return quantize_projections(tensors, quantization)
+    return tensors
 
 
 def _config_dtype(config: PretrainedConfig) -> torch.dtype:

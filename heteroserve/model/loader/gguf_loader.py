@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from transformers import AutoConfig, PretrainedConfig
 
+from heteroserve.quantization.ggml import BLOCK_BYTES, ggml_weight
 from heteroserve.quantization.int4 import Int4Weight
 from heteroserve.quantization.int8 import Int8Weight
 
@@ -102,10 +103,7 @@ def _unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-# GGML 4-bit block layouts (32 weights a block): Q4_0 = fp16 d, 16 bytes of nibbles; Q4_1 = fp16 d, fp16 m, nibbles.
-# Byte j of the nibbles holds weight j (low nibble) and weight j + 16 (high nibble).
-_INT4_BLOCKS = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
-# Tensors a matrix product reads; the token embedding is looked up by row and stays in float.
+# Tensors a matrix product reads.
 _LINEAR_SUFFIXES = (
     "attn_q.weight",
     "attn_k.weight",
@@ -118,65 +116,40 @@ _LINEAR_SUFFIXES = (
 )
 
 
-def gguf_int4(tensor) -> Int4Weight:
-    """A Q4_0 / Q4_1 tensor as an Int4Weight, without going through float."""
-    qtype = GGMLQuantizationType(tensor.tensor_type)
-    block_bytes = _INT4_BLOCKS[qtype]
-    rows = int(tensor.shape[1])
-    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, block_bytes)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if qtype == GGMLQuantizationType.Q4_0:
-        nibbles, zero = blocks[..., 2:], np.zeros_like(d)
-    else:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        nibbles, zero = blocks[..., 4:], m + 8 * d
-    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).reshape(rows, -1)
-    return Int4Weight.from_values(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero), 32)
+def tensor_type(tensor) -> GGMLQuantizationType:
+    try:
+        return GGMLQuantizationType(tensor.tensor_type)
+    except ValueError as exc:
+        raise ValueError(f"GGUF tensor {tensor.name!r} has unknown type {tensor.tensor_type!r}") from exc
 
 
-def gguf_int8(tensor) -> Int8Weight:
-    """A Q8_0 tensor (per 32 weights: fp16 d, then 32 int8) as an Int8Weight."""
-    rows = int(tensor.shape[1])
-    blocks = np.asarray(tensor.data, dtype=np.uint8).reshape(rows, -1, 34)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
-    return Int8Weight(torch.from_numpy(q), torch.from_numpy(d), 32)
-
-
-def is_int8_embedding(tensor) -> bool:
-    return GGMLQuantizationType(tensor.tensor_type) == GGMLQuantizationType.Q8_0 and tensor.name == "token_embd.weight"
-
-
-def is_int4(tensor) -> bool:
-    return GGMLQuantizationType(tensor.tensor_type) in _INT4_BLOCKS and tensor.name.endswith(_LINEAR_SUFFIXES)
+def kept_compressed(tensor) -> bool:
+    """Projections and the token embedding (looked up by rows) of every type `ggml_weight` reads."""
+    return tensor_type(tensor) in BLOCK_BYTES and tensor.name.endswith((*_LINEAR_SUFFIXES, "token_embd.weight"))
 
 
 def iterate_gguf(
     reader: GGUFReader, config: PretrainedConfig, keep_quantized: bool = False
-) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
-    """HF-named weights; with `keep_quantized`, Q4_0/Q4_1 linear weights stay 4-bit and a Q8_0 token embedding
-    stays 8-bit (everything else is dequantised)."""
+) -> Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]:
+    """HF-named weights; with `keep_quantized`, see `kept_compressed` (everything else is dequantised)."""
     arch = _field(reader, "general.architecture")
     for tensor in reader.tensors:
-        if keep_quantized and is_int4(tensor):
-            weight = gguf_int4(tensor)
-            if arch in _PERMUTED_QK and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
-                heads = config.num_attention_heads if "attn_q" in tensor.name else config.num_key_value_heads
+        name = _hf_name(tensor.name)
+        permuted = arch in _PERMUTED_QK and tensor.name.endswith(("attn_q.weight", "attn_k.weight"))
+        heads = config.num_attention_heads if "attn_q" in tensor.name else config.num_key_value_heads
+        if keep_quantized and kept_compressed(tensor):
+            weight = ggml_weight(tensor_type(tensor), tensor.data, int(tensor.shape[1]))
+            if permuted:
                 order = _unpermute_rotary_rows(np.arange(weight.shape[0]), heads)
                 weight = weight.permute_rows(torch.from_numpy(order.copy()))
-            yield _hf_name(tensor.name), weight
+            yield name, weight
             continue
-        if keep_quantized and is_int8_embedding(tensor):
-            yield _hf_name(tensor.name), gguf_int8(tensor)
-            continue
+        qtype = tensor_type(tensor)
         try:
-            qtype = GGMLQuantizationType(tensor.tensor_type)
             values = dequantize(tensor.data, qtype)
         except (NotImplementedError, ValueError) as exc:
-            raise ValueError(f"GGUF tensor {tensor.name!r} has unsupported type {tensor.tensor_type!r}: {exc}") from exc
+            raise ValueError(f"GGUF tensor {tensor.name!r} has unsupported type {qtype.name}: {exc}") from exc
         values = np.asarray(values, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
-        name = _hf_name(tensor.name)
-        if arch in _PERMUTED_QK and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = config.num_attention_heads if "attn_q" in tensor.name else config.num_key_value_heads
+        if permuted:
             values = _unpermute_rotary_rows(values, heads)
         yield name, torch.from_numpy(np.array(values, dtype=np.float32))  # writable copy

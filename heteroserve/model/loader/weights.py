@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
 
 from heteroserve.model.decoder import DecoderModel
+from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.int4 import Int4Weight, quantize_int4
-from heteroserve.quantization.int8 import Int8Weight
+from heteroserve.quantization.int8 import Int8Weight, quantize_int8
+
+logger = logging.getLogger(__name__)
 
 _PROJECTIONS = (
     "q_proj.weight",
@@ -20,22 +24,39 @@ _PROJECTIONS = (
     "down_proj.weight",
 )
 
-Weight = torch.Tensor | Int4Weight | Int8Weight
+Weight = torch.Tensor | Int4Weight | Int8Weight | PermutedInput
+INT4_GROUP = 32
 
 
-def quantize_projections(tensors: Iterable[tuple[str, Weight]], group_size: int = 32):
-    """Round-to-nearest int4 for every projection whose input size the group divides."""
+def quantize_projections(tensors: Iterable[tuple[str, Weight]], method: str):
+    """Round-to-nearest at load time: "int4" asymmetric per 32 input columns (projections whose input size 32
+    divides), "int8" symmetric per output channel (torch's int8 kernel reads that)."""
     for name, tensor in tensors:
-        if name.endswith(_PROJECTIONS) and isinstance(tensor, torch.Tensor) and tensor.shape[1] % group_size == 0:
-            yield name, quantize_int4(tensor, group_size)
+        if not (name.endswith(_PROJECTIONS) and isinstance(tensor, torch.Tensor)):
+            yield name, tensor
+        elif method == "int8":
+            yield name, quantize_int8(tensor)
+        elif tensor.shape[1] % INT4_GROUP == 0:
+            yield name, quantize_int4(tensor, INT4_GROUP)
         else:
             yield name, tensor
 
 
-def _cat(parts: list[Weight]) -> Weight:
-    if all(isinstance(p, Int4Weight) for p in parts):
-        return Int4Weight.cat(parts)
-    return torch.cat([p.dequantize() if isinstance(p, Int4Weight) else p for p in parts])
+def _cat(parts: list[Weight], dtype: torch.dtype) -> Weight:
+    """Fuses projections that read one input. Compressed parts of one kind stay compressed; mixed kinds
+    (e.g. a GGUF Q4_K_M's Q4_K q/k beside its Q6_K v, or differing act-orders) are dequantised to `dtype`."""
+    kinds = {type(p) for p in parts}
+    if kinds == {torch.Tensor}:
+        return torch.cat(parts)
+    if len(kinds) == 1:
+        try:
+            fused = next(iter(kinds)).cat(parts)
+        except ValueError:  # e.g. different group sizes
+            fused = None
+        if fused is not None:
+            return fused
+    logger.info("fused projection of %s parts dequantised to %s", "/".join(sorted(k.__name__ for k in kinds)), dtype)
+    return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize(dtype) for p in parts])
 
 
 def load_weights(model: DecoderModel, tensors: Iterable[tuple[str, Weight]], dtype: torch.dtype) -> None:
@@ -79,7 +100,7 @@ def load_weights(model: DecoderModel, tensors: Iterable[tuple[str, Weight]], dty
             take(p + "self_attn.k_proj.weight", (kv_rows, h)),
             take(p + "self_attn.v_proj.weight", (kv_rows, h)),
         ]
-        put_linear(attn, "qkv_proj", _cat(qkv))
+        put_linear(attn, "qkv_proj", _cat(qkv, dtype))
         if attn.qkv_bias is not None:
             put(
                 attn.qkv_bias,
@@ -96,7 +117,7 @@ def load_weights(model: DecoderModel, tensors: Iterable[tuple[str, Weight]], dty
             put(attn.k_norm.weight, take(p + "self_attn.k_norm.weight", (d,)))
         put_linear(attn, "o_proj", take(p + "self_attn.o_proj.weight", (h, q_rows)))
         gate_up = [take(p + "mlp.gate_proj.weight", (inter, h)), take(p + "mlp.up_proj.weight", (inter, h))]
-        put_linear(layer, "gate_up_proj", _cat(gate_up))
+        put_linear(layer, "gate_up_proj", _cat(gate_up, dtype))
         put_linear(layer, "down_proj", take(p + "mlp.down_proj.weight", (h, inter)))
     unused = [name for name in found if "rotary_emb" not in name]
     if unused:

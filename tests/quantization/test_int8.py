@@ -1,0 +1,78 @@
+"""8-bit weights: load-time `--quantization int8`, torch's CPU int8 kernel, and fusing mixed compressed parts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heteroserve import SamplingParams
+from heteroserve.model.loader.weights import _cat
+from heteroserve.platforms.cpu import _int8_kernel_works
+from heteroserve.platforms.cpu_int4 import CpuInt4Weight
+from heteroserve.platforms.cpu_int8 import KERNEL_MAX_ROWS, CpuInt8Weight
+from heteroserve.platforms.operators import LinearOp
+from heteroserve.quantization.int4 import quantize_int4
+from heteroserve.quantization.int8 import Int8Weight, quantize_int8
+from tests.model.tiny_models import prompts, save_tiny
+from tests.quantization.test_gptq import relative_error
+
+
+@pytest.mark.parametrize("group_size", [None, 32])
+def test_quantize_int8_round_trip(group_size):
+    weight = torch.randn(64, 128)
+    q = quantize_int8(weight, group_size)
+    step = q.scale.repeat_interleave(q.group_size, dim=1)
+    assert bool(((q.dequantize() - weight).abs() <= step / 2 + 1e-6).all())
+    assert q.nbytes < 0.3 * weight.numel() * 4
+
+
+@pytest.mark.parametrize("asymmetric", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, KERNEL_MAX_ROWS + 5])
+def test_int8_kernel_against_dequantised_matmul(asymmetric, rows):
+    base = quantize_int8(torch.randn(128, 96))
+    zero = torch.randn(128, 1) if asymmetric else None
+    weight = Int8Weight(base.q, base.scale, base.group_size, zero)
+    x = torch.randn(rows, 96)
+    reference = x @ weight.dequantize().T
+    assert relative_error(LinearOp()(x, weight), reference) <= 1e-5
+    if not _int8_kernel_works():
+        pytest.skip("torch's CPU int8 kernel is not usable here")
+    # bfloat16 activations inside the kernel (up to KERNEL_MAX_ROWS rows), float32 dequantisation beyond
+    tolerance = 1e-2 if rows <= KERNEL_MAX_ROWS else 1e-5
+    assert relative_error(CpuInt8Weight.pack(weight).matmul(x, None), reference) <= tolerance
+
+
+@pytest.mark.parametrize("kernels, tolerance", [("reference", 1e-4), ("auto", 5e-2)])
+def test_int8_quantisation_of_a_float_checkpoint(tmp_path, kernels, tolerance):
+    """--quantization int8 equals transformers running the same rounded weights."""
+    tiny = save_tiny("llama3", tmp_path)
+    llm = tiny.llm(quantization="int8", kernels=kernels)
+    model = llm.engine.runner.model
+    assert isinstance(model.layers[0].gate_up_proj, CpuInt8Weight if kernels == "auto" else Int8Weight)
+    with torch.no_grad():
+        for name, module in tiny.reference.model.named_modules():
+            if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
+                module.weight.copy_(quantize_int8(module.weight).dequantize())
+    vocab = tiny.vocab_size
+    ids = prompts(8, [48], vocab)[0]
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=vocab), use_tqdm=False)
+    expected = torch.log_softmax(tiny.reference.logits(ids), dim=-1)
+    for i in range(1, len(ids)):
+        ours = torch.tensor([out[0].prompt_logprobs[i][t].logprob for t in range(vocab)])
+        assert float((ours - expected[i - 1]).abs().max()) <= tolerance * max(1.0, float(expected[i - 1].abs().max()))
+
+
+def test_fusing_mixed_parts_dequantises_in_the_engine_dtype():
+    int4, int8 = quantize_int4(torch.randn(64, 64)), quantize_int8(torch.randn(32, 64))
+    fused = _cat([int4, int8, torch.randn(32, 64).bfloat16()], torch.bfloat16)
+    assert fused.dtype == torch.bfloat16 and fused.shape == (128, 64)
+    assert torch.equal(fused[:64], int4.dequantize(torch.bfloat16))
+    same_kind = _cat([int8, quantize_int8(torch.randn(16, 64))], torch.bfloat16)
+    assert isinstance(same_kind, Int8Weight) and same_kind.shape == (48, 64)
+
+
+def test_cpu_int4_weight_dequantises_from_its_own_layout():
+    weight = quantize_int4(torch.randn(128, 256), group_size=32)
+    packed = CpuInt4Weight.pack(weight.regroup(32))
+    assert torch.equal(packed.dequantize(), weight.dequantize())
+    assert torch.equal(packed.values(), weight.values())
