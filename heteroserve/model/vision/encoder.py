@@ -1,0 +1,159 @@
+"""The Qwen2-VL / Qwen2.5-VL vision tower: patch embedding, transformer blocks, patch merger.
+
+Runs once per image at prefill and returns one embedding per image placeholder token. Parameter names
+follow the checkpoint's (`visual.*` without the prefix), so loading is a strict `load_state_dict`.
+
+Patches arrive in the image processor's order: within each frame, merge_size x merge_size blocks of
+neighbouring patches are consecutive, so the merger concatenates each run of merge_size**2 rows.
+Qwen2.5-VL's window attention is a mask (same window only) rather than a reordering of the rows:
+attention does not depend on row order, and the output keeps the placeholder order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from heteroserve.model.vision.spec import VisionSpec
+
+
+def _norm(spec: VisionSpec, size: int) -> nn.Module:
+    return nn.RMSNorm(size, eps=1e-6) if spec.rms_norm else nn.LayerNorm(size, eps=1e-6)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        kernel = (spec.temporal_patch_size, spec.patch_size, spec.patch_size)
+        self.proj = nn.Conv3d(spec.in_channels, spec.embed_dim, kernel, stride=kernel, bias=False)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        """patches: [N, C * T * P * P] flattened as the processor does; a stride-equals-kernel conv is a matmul."""
+        weight = self.proj.weight
+        return F.linear(patches.to(weight.dtype), weight.reshape(weight.shape[0], -1))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.act = ACT2FN[spec.activation]
+        self.gated = spec.gated_mlp
+        if self.gated:
+            self.gate_proj = nn.Linear(spec.embed_dim, spec.mlp_dim)
+            self.up_proj = nn.Linear(spec.embed_dim, spec.mlp_dim)
+            self.down_proj = nn.Linear(spec.mlp_dim, spec.embed_dim)
+        else:
+            self.fc1 = nn.Linear(spec.embed_dim, spec.mlp_dim)
+            self.fc2 = nn.Linear(spec.mlp_dim, spec.embed_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary in float32, as the reference vision tower does it."""
+    x32 = x.float()
+    half = x32.shape[-1] // 2
+    rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = spec.num_heads, spec.head_dim
+        self.qkv = nn.Linear(spec.embed_dim, 3 * spec.embed_dim)
+        self.proj = nn.Linear(spec.embed_dim, spec.embed_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None):
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+        return self.proj(out.transpose(0, 1).reshape(n, -1))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.norm1 = _norm(spec, spec.embed_dim)
+        self.norm2 = _norm(spec, spec.embed_dim)
+        self.attn = VisionAttention(spec)
+        self.mlp = VisionMLP(spec)
+
+    def forward(self, x, cos, sin, mask) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.merged_dim = spec.embed_dim * spec.merge_size**2
+        self.ln_q = _norm(spec, spec.embed_dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.merged_dim, self.merged_dim), nn.GELU(), nn.Linear(self.merged_dim, spec.out_dim)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.merged_dim))
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.patch_embed = PatchEmbed(spec)
+        self.blocks = nn.ModuleList(VisionBlock(spec) for _ in range(spec.depth))
+        self.merger = PatchMerger(spec)
+        quarter = spec.head_dim // 2
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embed.proj.weight.dtype
+
+    def tokens_per_image(self, grid_thw: tuple[int, int, int]) -> int:
+        t, h, w = grid_thw
+        return t * h * w // self.spec.merge_size**2
+
+    def _merge_order(self, t: int, h: int, w: int) -> torch.Tensor:
+        """[t*h*w, 2] (row, column) of every patch, in the processor's block-major order."""
+        m = self.spec.merge_size
+        rows = torch.arange(h)[:, None].expand(h, w)
+        cols = torch.arange(w)[None, :].expand(h, w)
+        grid = torch.stack((rows, cols), dim=-1).view(h // m, m, w // m, m, 2).permute(0, 2, 1, 3, 4)
+        return grid.reshape(-1, 2).repeat(t, 1)
+
+    def _window_mask(self, t: int, h: int, w: int, device: torch.device) -> torch.Tensor | None:
+        """True where two patches share a window (and a frame): Qwen2.5-VL's windowed blocks."""
+        units = self.spec.window_units
+        if units is None:
+            return None
+        m = self.spec.merge_size
+        rc = self._merge_order(1, h, w) // m  # merged-token row and column of each patch
+        per_frame = (rc[:, 0] // units) * (w // m) + rc[:, 1] // units
+        frame = torch.arange(t).repeat_interleave(h * w)
+        window = frame * (h * w) + per_frame.repeat(t)
+        return (window[:, None] == window[None, :]).to(device)
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
+        """One image's patches [t*h*w, C*T*P*P] -> its placeholder embeddings [t*h*w / merge**2, out_dim]."""
+        t, h, w = grid_thw
+        device = self.inv_freq.device
+        x = self.patch_embed(pixel_values.to(device))
+        positions = self._merge_order(t, h, w).to(device)
+        freqs = (positions[..., None].float() * self.inv_freq).flatten(1)  # [N, head_dim / 2]: rows, then columns
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = angles.cos(), angles.sin()
+        window = self._window_mask(t, h, w, device)
+        for i, block in enumerate(self.blocks):
+            windowed = window is not None and i not in self.spec.full_attention_blocks
+            x = block(x, cos, sin, window if windowed else None)
+        return self.merger(x)
