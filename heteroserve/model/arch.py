@@ -14,7 +14,7 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     "qwen3": {"qk_norm": True},
 }
 # Vision-language model_type -> the text architecture of its language model (its `text_config`).
-VISION_LANGUAGE: dict[str, str] = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
+VISION_LANGUAGE: dict[str, str] = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 
 
 @dataclass(frozen=True)

@@ -122,17 +122,20 @@ class DecoderModel(nn.Module):
         meta: AttentionMetadata,
         injected: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """positions: [T], or [3, T] for M-RoPE; injected: (rows, embeddings) replacing those rows' token
-        embeddings (image features at their placeholder tokens)."""
+        """positions: [T], or [3, T] for M-RoPE. injected: (rows, features [n, 1 + k, hidden]) for image
+        placeholder tokens: features[:, 0] replaces their token embeddings, features[:, i] (DeepStack,
+        Qwen3-VL) is added to their hidden states after decoder layer i - 1."""
         if isinstance(self.embed_tokens, torch.Tensor):
             x = F.embedding(input_ids, self.embed_tokens)
         else:  # an 8-bit embedding dequantises just the rows looked up
             x = self.embed_tokens.rows(input_ids).to(self.norm.weight.dtype)
         if injected is not None:
-            rows, embeddings = injected
-            x[rows] = embeddings.to(x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            rows, features = injected
+            x[rows] = features[:, 0].to(x.dtype)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, positions, self.rotary, kv_cache, meta)
+            if injected is not None and i + 1 < features.shape[1]:
+                x[rows] += features[:, i + 1].to(x.dtype)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ class ImageInputs:
     def __init__(self, encoder: VisionEncoder, device: torch.device) -> None:
         self.encoder = encoder
         self.device = device
-        self._embeddings: dict[tuple[str, int], torch.Tensor] = {}  # (request id, image index) -> [tokens, hidden]
+        # (request id, image index) -> [tokens, 1 + DeepStack layers, hidden], see VisionEncoder.forward
+        self._embeddings: dict[tuple[str, int], torch.Tensor] = {}
 
     def release(self, request_id: str) -> None:
         for key in [k for k in self._embeddings if k[0] == request_id]:

@@ -1,4 +1,4 @@
-"""Qwen2-VL and Qwen2.5-VL against transformers on tiny random checkpoints, through the public `LLM` API.
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL against transformers on tiny random checkpoints, through the public `LLM` API.
 
 Each image request is checked like the text models (tests/model/tiny_models.py `check_output`): prompt and
 per-step logprobs of the whole vocabulary against transformers' logits (which computes its own M-RoPE
@@ -19,7 +19,7 @@ from tests.model.tiny_vl import VOCAB, TinyVL, image, save_tiny_vl
 QUESTION = "What is in this image?"
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def tiny(request, tmp_path_factory) -> TinyVL:
     return save_tiny_vl(request.param, tmp_path_factory.mktemp("vl"))
 

@@ -37,6 +37,7 @@ TEXT = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
+    "head_dim": 16,
     "max_position_embeddings": 512,
     "rms_norm_eps": 1e-5,
     "vocab_size": VOCAB,
@@ -57,9 +58,20 @@ VISION = {
         "window_size": 56,
         "fullatt_block_indexes": [1],
     },
+    # A 4x4 learned position grid (resized to each image) and DeepStack features from blocks 0 and 1.
+    "qwen3_vl": {
+        "depth": 3,
+        "hidden_size": 32,
+        "out_hidden_size": 64,
+        "intermediate_size": 48,
+        "num_heads": 2,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [0, 1],
+    },
 }
-# The image processor's pixel budget: small images, tens of tokens each.
-MIN_PIXELS, MAX_PIXELS = 28 * 28 * 4, 28 * 28 * 64
+PATCH_SIZE = {"qwen2_vl": 14, "qwen2_5_vl": 14, "qwen3_vl": 16}
+# The image processor's pixel budget in merged tokens (2x2 patches each): small images, tens of tokens each.
+MIN_TOKENS, MAX_TOKENS = 4, 64
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -103,7 +115,12 @@ def save_tiny_vl(model_type: str, root: Path, seed: int = 0) -> TinyVL:
     config = AutoConfig.for_model(
         model_type,
         text_config=TEXT,
-        vision_config={"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, **VISION[model_type]},
+        vision_config={
+            "patch_size": PATCH_SIZE[model_type],
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            **VISION[model_type],
+        },
         image_token_id=ids["<|image_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
@@ -116,7 +133,10 @@ def save_tiny_vl(model_type: str, root: Path, seed: int = 0) -> TinyVL:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     processor_class = type(AutoImageProcessor.from_pretrained(_processor_seed(folder, model_type)))
-    processor_class(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(folder)
+    token_pixels = (2 * PATCH_SIZE[model_type]) ** 2
+    processor_class(
+        patch_size=PATCH_SIZE[model_type], min_pixels=MIN_TOKENS * token_pixels, max_pixels=MAX_TOKENS * token_pixels
+    ).save_pretrained(folder)
     reference = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     reference.generation_config.eos_token_id = None
     reference.generation_config.pad_token_id = 0

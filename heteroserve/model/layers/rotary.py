@@ -42,6 +42,10 @@ class RotaryEmbedding(nn.Module):
         return self.ops.rotary(positions, q, k, self.cos, self.sin)
 
 
+# Text models whose M-RoPE interleaves the axes (t, h, w, t, h, w, ...) instead of consecutive sections.
+INTERLEAVED_MROPE = ("qwen3_vl_text",)
+
+
 class MRotaryEmbedding(RotaryEmbedding):
     """M-RoPE: frequency column j reads position axis `axis_of_column[j]` (the config's `mrope_section`)."""
 
@@ -52,7 +56,14 @@ class MRotaryEmbedding(RotaryEmbedding):
             raise ValueError(
                 f"mrope_section {sections} must be three sizes adding up to head_dim / 2 = {head_dim // 2}"
             )
-        half = torch.cat([torch.full((size,), axis) for axis, size in enumerate(sections)])
+        interleaved = config.rope_parameters.get("mrope_interleaved") or config.model_type in INTERLEAVED_MROPE
+        if interleaved:  # column j reads axis j % 3 while that axis has columns left, else the temporal one
+            columns = torch.arange(head_dim // 2)
+            half = torch.zeros(head_dim // 2, dtype=torch.long)
+            for axis in (1, 2):
+                half[(columns % 3 == axis) & (columns < 3 * sections[axis])] = axis
+        else:
+            half = torch.cat([torch.full((size,), axis) for axis, size in enumerate(sections)])
         self.register_buffer("axis_of_column", torch.cat((half, half)), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

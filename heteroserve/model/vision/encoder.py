@@ -1,7 +1,8 @@
-"""The Qwen2-VL / Qwen2.5-VL vision tower: patch embedding, transformer blocks, patch merger.
+"""The Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision tower: patch embedding, transformer blocks, patch merger.
 
-Runs once per image at prefill and returns one embedding per image placeholder token. Parameter names
-follow the checkpoint's (`visual.*` without the prefix), so loading is a strict `load_state_dict`.
+Runs once per image at prefill and returns, for each image placeholder token, its embedding and (Qwen3-VL's
+DeepStack) the extra features added after the first decoder layers. Parameter names follow the
+checkpoint's (`visual.*`, Qwen3-VL's renamed in loading.py), so loading is a `load_state_dict`.
 
 Patches arrive in the image processor's order: within each frame, merge_size x merge_size blocks of
 neighbouring patches are consecutive, so the merger concatenates each run of merge_size**2 rows.
@@ -27,12 +28,12 @@ class PatchEmbed(nn.Module):
     def __init__(self, spec: VisionSpec) -> None:
         super().__init__()
         kernel = (spec.temporal_patch_size, spec.patch_size, spec.patch_size)
-        self.proj = nn.Conv3d(spec.in_channels, spec.embed_dim, kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(spec.in_channels, spec.embed_dim, kernel, stride=kernel, bias=spec.patch_bias)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         """patches: [N, C * T * P * P] flattened as the processor does; a stride-equals-kernel conv is a matmul."""
         weight = self.proj.weight
-        return F.linear(patches.to(weight.dtype), weight.reshape(weight.shape[0], -1))
+        return F.linear(patches.to(weight.dtype), weight.reshape(weight.shape[0], -1), self.proj.bias)
 
 
 class VisionMLP(nn.Module):
@@ -91,15 +92,20 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, spec: VisionSpec) -> None:
+    """merge_size**2 neighbouring patches -> one token; DeepStack's mergers normalise after concatenating."""
+
+    def __init__(self, spec: VisionSpec, norm_after_merge: bool = False) -> None:
         super().__init__()
         self.merged_dim = spec.embed_dim * spec.merge_size**2
-        self.ln_q = _norm(spec, spec.embed_dim)
+        self.norm_after_merge = norm_after_merge
+        self.ln_q = _norm(spec, self.merged_dim if norm_after_merge else spec.embed_dim)
         self.mlp = nn.Sequential(
             nn.Linear(self.merged_dim, self.merged_dim), nn.GELU(), nn.Linear(self.merged_dim, spec.out_dim)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.norm_after_merge:
+            return self.mlp(self.ln_q(x.reshape(-1, self.merged_dim)))
         return self.mlp(self.ln_q(x).view(-1, self.merged_dim))
 
 
@@ -110,6 +116,9 @@ class VisionEncoder(nn.Module):
         self.patch_embed = PatchEmbed(spec)
         self.blocks = nn.ModuleList(VisionBlock(spec) for _ in range(spec.depth))
         self.merger = PatchMerger(spec)
+        if spec.num_position_embeddings:
+            self.pos_embed = nn.Embedding(spec.num_position_embeddings, spec.embed_dim)
+        self.deepstack_merger_list = nn.ModuleList(PatchMerger(spec, True) for _ in spec.deepstack_blocks)
         quarter = spec.head_dim // 2
         inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -142,18 +151,31 @@ class VisionEncoder(nn.Module):
         window = frame * (h * w) + per_frame.repeat(t)
         return (window[:, None] == window[None, :]).to(device)
 
+    def _learned_positions(self, positions: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """Qwen3-VL: the square table resized to h x w (bilinear, corners aligned), read at each patch."""
+        side = int(self.spec.num_position_embeddings**0.5)
+        table = self.pos_embed.weight.float().T.reshape(1, -1, side, side)
+        grid = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0]  # [C, h, w]
+        return grid[:, positions[:, 0], positions[:, 1]].T
+
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
-        """One image's patches [t*h*w, C*T*P*P] -> its placeholder embeddings [t*h*w / merge**2, out_dim]."""
+        """One image's patches [t*h*w, C*T*P*P] -> [t*h*w / merge**2, 1 + len(deepstack_blocks), out_dim]:
+        each placeholder token's embedding, then its DeepStack features in decoder-layer order."""
         t, h, w = grid_thw
         device = self.inv_freq.device
         x = self.patch_embed(pixel_values.to(device))
         positions = self._merge_order(t, h, w).to(device)
+        if self.spec.num_position_embeddings:
+            x = x + self._learned_positions(positions, h, w).to(x.dtype)
         freqs = (positions[..., None].float() * self.inv_freq).flatten(1)  # [N, head_dim / 2]: rows, then columns
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = angles.cos(), angles.sin()
         window = self._window_mask(t, h, w, device)
+        deepstack = []
         for i, block in enumerate(self.blocks):
             windowed = window is not None and i not in self.spec.full_attention_blocks
             x = block(x, cos, sin, window if windowed else None)
-        return self.merger(x)
+            if i in self.spec.deepstack_blocks:
+                deepstack.append(self.deepstack_merger_list[self.spec.deepstack_blocks.index(i)](x))
+        return torch.stack([self.merger(x), *deepstack], dim=1)

@@ -1,4 +1,4 @@
-"""The vision tower of a Qwen2-VL-family checkpoint as data: what differs between Qwen2-VL and Qwen2.5-VL."""
+"""The vision tower of a Qwen-VL checkpoint as data: what differs between Qwen2-VL, Qwen2.5-VL and Qwen3-VL."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ class VisionSpec:
     rope_theta: float
     window_size: int | None  # in pixels (Qwen2.5-VL); None: every block attends over the whole image
     full_attention_blocks: tuple[int, ...]
+    patch_bias: bool = False  # Qwen3-VL's patch embedding has a bias
+    num_position_embeddings: int = 0  # Qwen3-VL: a learned square grid of positions, resized to each image
+    deepstack_blocks: tuple[int, ...] = ()  # Qwen3-VL: blocks whose merged output feeds early decoder layers
 
     @property
     def head_dim(self) -> int:
@@ -69,6 +72,20 @@ class VisionSpec:
                 rms_norm=True,
                 window_size=config.window_size,
                 full_attention_blocks=tuple(config.fullatt_block_indexes),
+                **common,
+            )
+        if model_type == "qwen3_vl":
+            return cls(
+                embed_dim=config.hidden_size,
+                mlp_dim=config.intermediate_size,
+                out_dim=config.out_hidden_size,
+                gated_mlp=False,
+                rms_norm=False,
+                window_size=None,
+                full_attention_blocks=(),
+                patch_bias=True,
+                num_position_embeddings=config.num_position_embeddings,
+                deepstack_blocks=tuple(config.deepstack_visual_indexes),
                 **common,
             )
         raise ValueError(f"no vision tower for model type {model_type!r}")
