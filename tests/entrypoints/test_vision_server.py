@@ -11,6 +11,7 @@ import pytest
 
 from heteroserve.sampling_params import SamplingParams
 from tests.entrypoints.server_process import ServerProcess
+from tests.gateway.test_chat_page import ARTIFACTS, browser, last_reply, page, send, settings  # noqa: F401 - fixtures
 from tests.model.tiny_vl import image, save_tiny_vl
 
 MAX_TOKENS = 8
@@ -156,3 +157,47 @@ def test_concurrent_text_and_image_requests_equal_solo_runs(client):
     with ThreadPoolExecutor(len(conversations) * 2) as pool:
         together = list(pool.map(lambda m: ask(client, m).choices[0].message.content, conversations * 2))
     assert together == solo * 2
+
+
+def test_chat_page_attaches_and_pastes_images(vl_server, offline, page, tmp_path):  # noqa: F811 - fixture
+    """The web page sends an attached image, then a pasted one, as data: URLs; answers equal the offline API's."""
+    first, second = image(20, 100, 150), image(21, 84, 56)
+    first.save(tmp_path / "first.png")
+    page.goto(vl_server.base_url)
+    page.wait_for_function("document.querySelectorAll('#model option').length > 0")
+    settings(page, max_tokens=MAX_TOKENS)
+
+    page.set_input_files("#attach", str(tmp_path / "first.png"))
+    page.wait_for_function("document.querySelectorAll('#attachments img').length === 1")
+    send(page, QUESTION)
+    page.wait_for_function("!document.getElementById('send').disabled && document.querySelector('.msg.assistant')")
+    shown = page.locator(".msg.user img").first.get_attribute("src")
+    assert shown.startswith("data:image/png;base64,")
+    assert page.locator("#attachments img").count() == 0
+    conversation = messages(encoded(first))
+    reply = offline_answer(offline, conversation).outputs[0].text
+    assert last_reply(page) == reply.strip()
+
+    pasted = base64.b64encode(base64.b64decode(encoded(second).split(",", 1)[1])).decode()
+    page.evaluate(
+        """(b64) => {
+            const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+            const data = new DataTransfer();
+            data.items.add(new File([bytes], "pasted.png", { type: "image/png" }));
+            const paste = new ClipboardEvent("paste", { clipboardData: data, bubbles: true, cancelable: true });
+            document.getElementById("input").dispatchEvent(paste);
+        }""",
+        pasted,
+    )
+    page.wait_for_function("document.querySelectorAll('#attachments img').length === 1")
+    send(page, "Describe the picture in one sentence.")
+    page.wait_for_function(
+        "!document.getElementById('send').disabled && document.querySelectorAll('.msg.assistant').length === 2"
+    )
+    assert page.locator(".msg.user img").count() == 2
+    conversation += [{"role": "assistant", "content": reply}]
+    conversation += messages(encoded(second), text="Describe the picture in one sentence.")
+    assert last_reply(page) == offline_answer(offline, conversation).outputs[0].text.strip()
+    assert page.locator(".msg.error").count() == 0
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "chat_page_images.png"))
