@@ -9,6 +9,7 @@ from pathlib import Path
 
 from heteroserve.bench.engine_runs import run_batch, single_stream, time_to_first_token
 from heteroserve.bench.machine import describe_machine
+from heteroserve.bench.vision import add_vision_parser
 from heteroserve.bench.workload import fingerprint, jsonl_requests, random_requests, scenario_requests
 from heteroserve.engine.llm_engine import LLMEngine
 from heteroserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
@@ -19,6 +20,7 @@ PEERS = ("hf",)
 def add_bench_parser(commands) -> None:
     bench = commands.add_parser("bench", help="benchmark heteroserve against peers on the shared workload")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
+    add_vision_parser(kinds)
     for name, handler in (("throughput", _throughput), ("latency", _latency), ("serve", _serve)):
         sub = kinds.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         sub.add_argument("model", nargs="?", default=None)

@@ -74,8 +74,9 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
-        return self.proj(out.transpose(0, 1).reshape(n, -1))
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, n, head_dim]: the fused kernel
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(out[0].transpose(0, 1).reshape(n, -1))
 
 
 class VisionBlock(nn.Module):
