@@ -91,7 +91,7 @@ class MediaPolicy:
 
     def _read_local(self, path: Path) -> bytes:
         if self.allowed_local_path is None:
-            raise ImageError("local image files are disabled (start the server with --allowed-local-media-path)")
+            raise ImageError("local image files are disabled (allow a folder with --allowed-local-media-path)")
         root = self.allowed_local_path.resolve()
         resolved = path.resolve()
         if not resolved.is_relative_to(root):
