@@ -6,8 +6,9 @@ checkpoint's (`visual.*`, Qwen3-VL's renamed in loading.py), so loading is a `lo
 
 Patches arrive in the image processor's order: within each frame, merge_size x merge_size blocks of
 neighbouring patches are consecutive, so the merger concatenates each run of merge_size**2 rows.
-Qwen2.5-VL's window attention is a mask (same window only) rather than a reordering of the rows:
-attention does not depend on row order, and the output keeps the placeholder order.
+Qwen2.5-VL's window attention: the rows are sorted by window once (a window holds whole merge blocks),
+windowed blocks attend within each run of rows, full blocks over all of them (order does not matter
+there), and the rows go back to placeholder order before the merger.
 """
 
 from __future__ import annotations
@@ -70,12 +71,17 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(spec.embed_dim, 3 * spec.embed_dim)
         self.proj = nn.Linear(spec.embed_dim, spec.embed_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, windows: list[int] | None):
+        """windows: sizes of consecutive row runs that attend only among themselves; None: all rows together."""
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, n, head_dim]: the fused kernel
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if windows is None:
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:
+            parts = zip(*(t.split(windows, dim=2) for t in (q, k, v)), strict=True)
+            out = torch.cat([F.scaled_dot_product_attention(*part) for part in parts], dim=2)
         return self.proj(out[0].transpose(0, 1).reshape(n, -1))
 
 
@@ -87,8 +93,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(spec)
         self.mlp = VisionMLP(spec)
 
-    def forward(self, x, cos, sin, mask) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+    def forward(self, x, cos, sin, windows) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, windows)
         return x + self.mlp(self.norm2(x))
 
 
@@ -140,17 +146,18 @@ class VisionEncoder(nn.Module):
         grid = torch.stack((rows, cols), dim=-1).view(h // m, m, w // m, m, 2).permute(0, 2, 1, 3, 4)
         return grid.reshape(-1, 2).repeat(t, 1)
 
-    def _window_mask(self, t: int, h: int, w: int, device: torch.device) -> torch.Tensor | None:
-        """True where two patches share a window (and a frame): Qwen2.5-VL's windowed blocks."""
+    def _window_order(self, t: int, h: int, w: int) -> tuple[torch.Tensor, list[int]] | None:
+        """Rows sorted by (frame, window) and the window sizes in that order: Qwen2.5-VL's windowed blocks."""
         units = self.spec.window_units
         if units is None:
             return None
         m = self.spec.merge_size
         rc = self._merge_order(1, h, w) // m  # merged-token row and column of each patch
         per_frame = (rc[:, 0] // units) * (w // m) + rc[:, 1] // units
-        frame = torch.arange(t).repeat_interleave(h * w)
-        window = frame * (h * w) + per_frame.repeat(t)
-        return (window[:, None] == window[None, :]).to(device)
+        window = torch.arange(t).repeat_interleave(h * w) * (h * w) + per_frame.repeat(t)
+        order = torch.argsort(window, stable=True)
+        sizes = torch.unique_consecutive(window[order], return_counts=True)[1]
+        return order, sizes.tolist()
 
     def _learned_positions(self, positions: torch.Tensor, h: int, w: int) -> torch.Tensor:
         """Qwen3-VL: the square table resized to h x w (bilinear, corners aligned), read at each patch."""
@@ -172,11 +179,19 @@ class VisionEncoder(nn.Module):
         freqs = (positions[..., None].float() * self.inv_freq).flatten(1)  # [N, head_dim / 2]: rows, then columns
         angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = angles.cos(), angles.sin()
-        window = self._window_mask(t, h, w, device)
+        windows, restore = None, None
+        window_order = self._window_order(t, h, w)
+        if window_order is not None:
+            order, windows = window_order
+            order = order.to(device)
+            restore = torch.argsort(order)
+            x, cos, sin = x[order], cos[order], sin[order]
         deepstack = []
         for i, block in enumerate(self.blocks):
-            windowed = window is not None and i not in self.spec.full_attention_blocks
-            x = block(x, cos, sin, window if windowed else None)
+            x = block(x, cos, sin, None if i in self.spec.full_attention_blocks else windows)
             if i in self.spec.deepstack_blocks:
-                deepstack.append(self.deepstack_merger_list[self.spec.deepstack_blocks.index(i)](x))
+                merger = self.deepstack_merger_list[self.spec.deepstack_blocks.index(i)]
+                deepstack.append(merger(x if restore is None else x[restore]))
+        if restore is not None:
+            x = x[restore]
         return torch.stack([self.merger(x), *deepstack], dim=1)
