@@ -88,8 +88,29 @@ class DeviceConfig:
 
 
 @dataclass
+class MultimodalConfig:
+    """Images for vision-language models (ignored by text models, which refuse images)."""
+
+    limit_images_per_prompt: int = 8  # --limit-mm-per-prompt image=N
+    min_pixels: int | None = None  # the image processor's resize budget; None: the checkpoint's
+    max_pixels: int | None = None
+    max_image_pixels: int = 64 * 1024**2  # width x height of an input image before resizing
+
+    def __post_init__(self) -> None:
+        if self.limit_images_per_prompt < 0:
+            raise ValueError(f"the image limit per prompt must be >= 0, got {self.limit_images_per_prompt}")
+        for name in ("min_pixels", "max_pixels"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels ({self.min_pixels}) is larger than max_pixels ({self.max_pixels})")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    multimodal: MultimodalConfig = field(default_factory=MultimodalConfig)

@@ -9,6 +9,7 @@ from pathlib import Path
 from heteroserve.bench.engine_runs import run_batch, single_stream
 from heteroserve.bench.harness import PEERS, build_engine, engine_requests, write_report
 from heteroserve.bench.serve_command import run_serve_bench
+from heteroserve.bench.vision import add_vision_parser
 from heteroserve.bench.workload import fingerprint
 from heteroserve.engine.llm_engine import LLMEngine
 from heteroserve.entrypoints.engine_args import add_engine_args
@@ -17,6 +18,7 @@ from heteroserve.entrypoints.engine_args import add_engine_args
 def add_bench_parser(commands) -> None:
     bench = commands.add_parser("bench", help="benchmark heteroserve against peers on the shared workload")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
+    add_vision_parser(kinds)
     for name, handler in (("throughput", _throughput), ("latency", _latency), ("serve", run_serve_bench)):
         sub = kinds.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         sub.add_argument("model", nargs="?", default=None)

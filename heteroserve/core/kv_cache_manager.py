@@ -45,8 +45,7 @@ class KVCacheManager:
         hits: list[KVBlock] = []
         parent = None
         for i, block_hash in enumerate(hashes[:max_blocks]):
-            tokens = tuple(request.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            block = self.pool.lookup(block_hash, parent, tokens)
+            block = self.pool.lookup(block_hash, parent, self._block_key(request, i))
             if block is None:
                 break
             hits.append(block)
@@ -80,6 +79,16 @@ class KVCacheManager:
         self._hashes.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
 
+    def _block_key(self, request: Request, i: int) -> tuple:
+        """What block i holds: its token ids, plus the content hash of every image whose tokens it covers
+        (image placeholder tokens are all the same id, so the ids alone cannot tell two images apart)."""
+        start, end = i * self.block_size, (i + 1) * self.block_size
+        key = tuple(request.token_ids[start:end])
+        images = tuple(
+            p.content_hash for p in request.image_placeholders if p.offset < end and p.offset + p.length > start
+        )
+        return key + images if images else key
+
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of the request's full blocks, extended as its tokens grow."""
         hashes = self._hashes.setdefault(request.request_id, [])
@@ -87,7 +96,7 @@ class KVCacheManager:
         while (len(hashes) + 1) * size <= request.num_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(request.token_ids[i * size : (i + 1) * size])))
+            hashes.append(hash_block(parent, self._block_key(request, i)))
         return hashes
 
     def cache_computed_blocks(self, request: Request) -> None:
@@ -106,6 +115,5 @@ class KVCacheManager:
         hashes = self._block_hashes(request)
         for i in range(start, num_full):
             parent = hashes[i - 1] if i else None
-            tokens = tuple(request.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            self.pool.cache(owned[i], hashes[i], parent, tokens)
+            self.pool.cache(owned[i], hashes[i], parent, self._block_key(request, i))
         self._num_registered[rid] = num_full

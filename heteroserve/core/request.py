@@ -30,6 +30,15 @@ class RequestStatus(enum.IntEnum):
         }.get(self)
 
 
+@dataclass(frozen=True)
+class ImagePlaceholder:
+    """An image's run of placeholder tokens in the prompt; the content hash keys its KV in the prefix cache."""
+
+    offset: int
+    length: int
+    content_hash: str
+
+
 @dataclass(eq=False)
 class Request:
     """Token ids are prompt followed by output; `num_computed_tokens` says how many have KV in the cache."""
@@ -49,6 +58,8 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     prefix_leader: Request | None = None  # the n > 1 sibling whose prompt blocks this one reuses
+    image_placeholders: list[ImagePlaceholder] = field(default_factory=list)
+    multimodal: object | None = None  # the images as the model runner consumes them (opaque to the core)
     token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -12,6 +12,9 @@ from heteroserve.core.request import Request, RequestStatus
 from heteroserve.core.scheduler import Scheduler, SchedulerStats
 from heteroserve.engine.output_processor import OutputProcessor, ParentRequest
 from heteroserve.model.loader import load_model
+from heteroserve.multimodal.inputs import MultimodalInputs
+from heteroserve.multimodal.media import ImageError, MediaPolicy
+from heteroserve.multimodal.processor import ImageInputProcessor
 from heteroserve.outputs import RequestOutput
 from heteroserve.platforms import resolve_platform
 from heteroserve.sampling_params import SamplingParams
@@ -42,6 +45,13 @@ class LLMEngine:
         kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, kv_cache)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.media = MediaPolicy(max_pixels=config.multimodal.max_image_pixels)
+        self.image_processor = None
+        if loaded.vision is not None:
+            mm = config.multimodal
+            self.image_processor = ImageInputProcessor(
+                loaded.source.folder, loaded.hf_config, mm.limit_images_per_prompt, mm.min_pixels, mm.max_pixels
+            )
         self._children: dict[str, list[str]] = {}  # user request id -> engine request ids (n > 1)
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, reported by the next step
         tokens = self.runner.num_blocks * config.cache.block_size
@@ -85,12 +95,14 @@ class LLMEngine:
         """Validates and queues a request; a bad request raises ValueError and leaves the others untouched."""
         params = params or self.default_sampling_params()
         text, token_ids = self.tokenize_prompt(prompt)
+        token_ids, multimodal = self._process_images(prompt, token_ids)
         self._validate(request_id, token_ids, params)
         if not params.ignore_eos and self.extra_eos_token_ids:
             params = params.clone(stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
         arrival = arrival_time or time.time()
+        images = {"multimodal": multimodal, "image_placeholders": multimodal.placeholders} if multimodal else {}
         if params.n == 1:
-            self._add(Request(request_id, token_ids, params, self.eos_token_id, priority, arrival), text)
+            self._add(Request(request_id, token_ids, params, self.eos_token_id, priority, arrival, **images), text)
             return
         parent = ParentRequest(request_id, params.n)
         leader = None
@@ -104,12 +116,27 @@ class LLMEngine:
                 self.eos_token_id,
                 priority,
                 arrival,
+                **images,
             )
             child.prefix_leader = leader
             leader = leader or child
             self._add(child, text, i, parent)
             child_ids.append(child.request_id)
         self._children[request_id] = child_ids
+
+    def _process_images(self, prompt: PromptInput, token_ids: list[int]) -> tuple[list[int], MultimodalInputs | None]:
+        """Expands image placeholders for `{"multi_modal_data": {"image": ...}}` prompts (ImageError if bad)."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, Mapping) else None
+        if not data:
+            return token_ids, None
+        unknown = set(data) - {"image"}
+        if unknown:
+            raise ValueError(f"unsupported multi_modal_data kinds {sorted(unknown)}; only 'image' is supported")
+        images = data.get("image")
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if self.image_processor is None:
+            raise ImageError(f"{self.model_name} is a text-only model: it does not accept images")
+        return self.image_processor.process(token_ids, [self.media.load(image) for image in images])
 
     def _add(self, request: Request, text: str | None, index: int = 0, parent: ParentRequest | None = None) -> None:
         self.scheduler.add_request(request)

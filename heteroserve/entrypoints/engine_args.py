@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import json
 
-from heteroserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from heteroserve.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    MultimodalConfig,
+    SchedulerConfig,
+)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +69,37 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "gguf/gptq/awq: insist on that format; int4/int8: quantise a float checkpoint at load",
     )
     group.add_argument("--seed", type=int, default=0, help="engine seed (and the bench's random dataset seed)")
+    group.add_argument(
+        "--limit-mm-per-prompt",
+        type=_image_limit,
+        default=MultimodalConfig.limit_images_per_prompt,
+        metavar="image=N",
+        help="most images in one prompt (also accepts vLLM's JSON form '{\"image\": N}')",
+    )
+    group.add_argument(
+        "--mm-processor-kwargs",
+        type=json.loads,
+        default=None,
+        help='image processor pixel budget as JSON, e.g. \'{"min_pixels": 3136, "max_pixels": 1003520}\'',
+    )
+    group.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=MultimodalConfig.max_image_pixels,
+        help="largest input image (width x height, before resizing); larger ones are answered 400",
+    )
+
+
+def _image_limit(value: str) -> int:
+    """'image=N' or '{"image": N}' -> N."""
+    try:
+        parsed = json.loads(value) if value.lstrip().startswith("{") else dict([value.split("=", 1)])
+        unknown = set(parsed) - {"image"}
+        if unknown:
+            raise ValueError(f"only images are supported, not {sorted(unknown)}")
+        return int(parsed["image"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"expected image=N, got {value!r} ({exc})") from exc
 
 
 def engine_config_from_args(model: str | None, args: argparse.Namespace) -> EngineConfig:
@@ -86,4 +125,10 @@ def engine_config_from_args(model: str | None, args: argparse.Namespace) -> Engi
             args.scheduling_policy,
         ),
         device=DeviceConfig(args.device, args.kernels),
+        multimodal=MultimodalConfig(
+            args.limit_mm_per_prompt,
+            (args.mm_processor_kwargs or {}).get("min_pixels"),
+            (args.mm_processor_kwargs or {}).get("max_pixels"),
+            args.max_image_pixels,
+        ),
     )

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
 
 from tqdm import tqdm
 
-from heteroserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from heteroserve.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    MultimodalConfig,
+    SchedulerConfig,
+)
 from heteroserve.engine.llm_engine import LLMEngine, PromptInput
+from heteroserve.multimodal.chat import split_images
 from heteroserve.outputs import RequestOutput
 from heteroserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -36,7 +46,13 @@ class LLM:
         kernels: str = "auto",
         quantization: str | None = None,
         seed: int = 0,
+        limit_mm_per_prompt: dict[str, int] | None = None,
+        mm_processor_kwargs: dict[str, int] | None = None,
+        allowed_local_media_path: str | None = None,
     ) -> None:
+        """limit_mm_per_prompt={"image": N}, mm_processor_kwargs={"min_pixels": ..., "max_pixels": ...} as in vLLM;
+        chat() reads local image files only under allowed_local_media_path."""
+        pixels = mm_processor_kwargs or {}
         config = EngineConfig(
             model=ModelConfig(model, dtype, max_model_len, seed, quantization, generation_config=generation_config),
             cache=CacheConfig(
@@ -44,9 +60,15 @@ class LLM:
             ),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, scheduling_policy),
             device=DeviceConfig(device, kernels),
+            multimodal=MultimodalConfig(
+                (limit_mm_per_prompt or {}).get("image", MultimodalConfig.limit_images_per_prompt),
+                pixels.get("min_pixels"),
+                pixels.get("max_pixels"),
+            ),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        self._local_media = Path(allowed_local_media_path) if allowed_local_media_path else None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
@@ -54,6 +76,7 @@ class LLM:
         llm = cls.__new__(cls)
         llm.engine = LLMEngine(config)
         llm._ids = itertools.count()
+        llm._local_media = None
         return llm
 
     def get_tokenizer(self):
@@ -107,20 +130,25 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation, then generates."""
+        """Applies the model's chat template to each conversation, then generates (image parts included)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
+        policy = replace(self.engine.media, allowed_local_path=self._local_media)
         for conversation in conversations:
+            conversation, images = split_images(conversation, policy)
             text = tokenizer.apply_chat_template(
                 conversation,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
             )
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

@@ -13,6 +13,8 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
 }
+# Vision-language model_type -> the text architecture of its language model (its `text_config`).
+VISION_LANGUAGE: dict[str, str] = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 
 
 @dataclass(frozen=True)
@@ -34,13 +36,17 @@ class ModelArch:
 
     @classmethod
     def from_hf_config(cls, config: PretrainedConfig) -> ModelArch:
+        """The decoder of a text model, or the language model of a vision-language one."""
         model_type = config.model_type
-        if model_type not in ARCHITECTURES:
+        if model_type not in ARCHITECTURES and model_type not in VISION_LANGUAGE:
             raise ValueError(
                 f"unsupported architecture {model_type!r} ({getattr(config, 'architectures', None)}); "
-                f"supported: {', '.join(ARCHITECTURES)}"
+                f"supported: {', '.join([*ARCHITECTURES, *VISION_LANGUAGE])}"
             )
-        traits = ARCHITECTURES[model_type]
+        traits = ARCHITECTURES[VISION_LANGUAGE.get(model_type, model_type)]
+        tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if model_type in VISION_LANGUAGE:
+            config = config.get_text_config()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported activation {config.hidden_act!r}; only silu is implemented")
         num_heads = config.num_attention_heads
@@ -55,7 +61,7 @@ class ModelArch:
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
             intermediate_size=config.intermediate_size,
             rms_norm_eps=config.rms_norm_eps,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            tie_word_embeddings=tie_word_embeddings,
             qkv_bias=traits.get("qkv_bias", False) or bool(getattr(config, "attention_bias", False)),
             qk_norm=traits.get("qk_norm", False),
             sliding_window=window,

@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 from heteroserve.model.arch import ModelArch
 from heteroserve.model.layers.attention import AttentionMetadata, paged_attention
 from heteroserve.model.layers.norm import RMSNorm
-from heteroserve.model.layers.rotary import RotaryEmbedding
+from heteroserve.model.layers.rotary import rotary_embedding
 from heteroserve.platforms.operators import OperatorTable
 
 
@@ -81,7 +81,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, self.ops) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.ops)
         self.lm_head = None if arch.tie_word_embeddings else _weight(arch.vocab_size, arch.hidden_size)
-        self.rotary = RotaryEmbedding(hf_config, arch.head_dim, max_positions, self.ops)
+        self.rotary = rotary_embedding(hf_config.get_text_config(), arch.head_dim, max_positions, self.ops)
 
     def prepare_weights(self) -> None:
         """Hands every projection weight to the linear kernel once (repacking); call after loading."""
@@ -121,13 +121,22 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        injected: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """positions: [T], or [3, T] for M-RoPE. injected: (rows, features [n, 1 + k, hidden]) for image
+        placeholder tokens: features[:, 0] replaces their token embeddings, features[:, i] (DeepStack,
+        Qwen3-VL) is added to their hidden states after decoder layer i - 1."""
         if isinstance(self.embed_tokens, torch.Tensor):
             x = F.embedding(input_ids, self.embed_tokens)
         else:  # a compressed embedding dequantises just the rows looked up
             x = self.embed_tokens.rows(input_ids).to(self.norm.weight.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        if injected is not None:
+            rows, features = injected
+            x[rows] = features[:, 0].to(x.dtype)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, positions, self.rotary, kv_cache, meta)
+            if injected is not None and i + 1 < features.shape[1]:
+                x[rows] += features[:, i + 1].to(x.dtype)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from heteroserve.model.layers.attention import build_attention_metadata
 from heteroserve.model.layers.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_of
 from heteroserve.model.loader import LoadedModel
 from heteroserve.platforms import Platform
+from heteroserve.worker.image_inputs import ImageInputs
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class ModelRunner:
         )
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.sampler = Sampler()
+        self.images = ImageInputs(loaded.vision, self.device) if loaded.vision is not None else None
         self._seeds = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -63,6 +65,8 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        if self.images is not None:
+            self.images.release(request_id)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, StepResult]:
@@ -85,9 +89,13 @@ class ModelRunner:
             self.block_size, slots, decodes, prefills, self.arch.sliding_window, self.device
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        injected = None
+        if self.images is not None and any(item.request.multimodal is not None for item in items):
+            pos, injected = self.images.prepare(items)  # M-RoPE positions; text-only batches skip this
+        else:
+            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         kv = [(layer[0], layer[1]) for layer in self.kv_cache]
-        hidden = self.model(ids, pos, kv, meta)
+        hidden = self.model(ids, pos, kv, meta, injected)
         return self._sample(items, hidden)
 
     def _sample(self, items: list[ScheduledRequest], hidden: torch.Tensor) -> dict[str, StepResult]:

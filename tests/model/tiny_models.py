@@ -176,7 +176,7 @@ def check_output(
        and per-step logprobs must equal its log-softmax within LOGIT_RTOL * max|logits|.
     2. Greedy tokens: equal to transformers' `generate(do_sample=False)` up to a near-tie divergence.
     """
-    vocab = reference.model.config.vocab_size
+    vocab = reference.model.config.get_text_config().vocab_size
     completion = output.outputs[0]
     ours = list(completion.token_ids)
     assert output.prompt_token_ids == prompt

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import uuid
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -33,6 +34,7 @@ from heteroserve.entrypoints.openai.serving import ServerSettings
 from heteroserve.entrypoints.openai.serving_chat import ServingChat
 from heteroserve.entrypoints.openai.serving_completion import ServingCompletion
 from heteroserve.metrics.prometheus import ServerMetrics
+from heteroserve.multimodal.media import MediaPolicy
 from heteroserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("heteroserve.server")
@@ -142,7 +144,7 @@ def build_app(
             raise APIError(400, "this model has no tokenizer")
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
-            _, tokens = chats.render(chat)
+            _, tokens, _ = await asyncio.to_thread(chats.render, chat)
         elif body.prompt is not None:
             tokens = chats.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
@@ -222,6 +224,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-log-requests", action="store_true", help="log request bodies (prompts included)")
     group.add_argument("--uvicorn-log-level", default="info")
     group.add_argument("--tensor-parallel-size", type=int, default=1)
+    media = parser.add_argument_group("images in chat requests")
+    media.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) image URLs (off: offline)")
+    media.add_argument("--allowed-local-media-path", default=None, help="serve file:// images only under this folder")
+    media.add_argument("--media-fetch-timeout", type=float, default=10.0, help="seconds for one remote image")
+    media.add_argument("--max-image-bytes", type=int, default=20 * 1024**2, help="largest encoded image accepted")
     add_engine_args(parser)
 
 
@@ -233,13 +240,18 @@ def run_server(args: argparse.Namespace) -> None:
     config = engine_config_from_args(model, args)
     chat_template = args.chat_template
     if chat_template is not None:
-        from pathlib import Path
-
         path = Path(chat_template)
         chat_template = path.read_text() if path.is_file() else chat_template
     engine = AsyncLLMEngine.from_config(config)
     names = args.served_model_name or [engine.engine.model_name]
-    settings = ServerSettings(names, args.max_waiting_requests, args.request_timeout, chat_template)
+    media = MediaPolicy(
+        allow_remote=args.allow_remote_media,
+        allowed_local_path=Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
+        max_bytes=args.max_image_bytes,
+        timeout_s=args.media_fetch_timeout,
+        max_pixels=args.max_image_pixels,
+    )
+    settings = ServerSettings(names, args.max_waiting_requests, args.request_timeout, chat_template, media)
     app = build_app(engine, settings, args.api_key, args.allowed_origins, args.enable_log_requests)
     server_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5

@@ -94,11 +94,21 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    url: str = Field(description="data:image/...;base64,..., http(s):// (--allow-remote-media) or file://")
+    detail: str | None = None  # accepted for OpenAI compatibility; the image processor's budget decides
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -106,7 +116,11 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(p, ImagePart) for p in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from heteroserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from heteroserve.engine.llm_engine import PromptInput
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.metrics.prometheus import ServerMetrics
+from heteroserve.multimodal.media import MediaPolicy
 from heteroserve.outputs import RequestOutput
 from heteroserve.sampling_params import SamplingParams
 
@@ -21,6 +22,7 @@ class ServerSettings:
     max_waiting_requests: int | None = None
     request_timeout: float | None = None
     chat_template: str | None = None
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # where chat images may come from
 
 
 class OpenAIServing:

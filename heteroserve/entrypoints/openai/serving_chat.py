@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from PIL import Image
 
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
 from heteroserve.entrypoints.openai.serving import OpenAIServing, sse, usage
+from heteroserve.multimodal.chat import split_images
+from heteroserve.multimodal.media import ImageError
 from heteroserve.outputs import CompletionOutput
 
 
@@ -39,10 +43,22 @@ def chat_logprobs(output: CompletionOutput, top: int) -> dict | None:
 
 
 class ServingChat(OpenAIServing):
-    def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+    def render(self, request: ChatCompletionRequest) -> tuple[str, list[int], list[Image.Image]]:
+        """The prompt text, its token ids, and the images in the order their placeholders appear.
+
+        Runs in a worker thread: decoding (or fetching) images must not stall the event loop."""
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it has no chat template")
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        messages: list[dict] = [{"role": m.role, "content": m.text()} for m in request.messages]
+        images: list[Image.Image] = []
+        if any(m.has_images for m in request.messages):
+            if self.engine.engine.image_processor is None:
+                raise APIError(400, f"{self.model_name} is a text-only model: it does not accept images", "messages")
+            raw = [m.model_dump(exclude_none=True) for m in request.messages]
+            try:
+                messages, images = split_images(raw, self.settings.media)
+            except ImageError as exc:
+                raise APIError(400, str(exc), "messages") from exc
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
@@ -52,20 +68,21 @@ class ServingChat(OpenAIServing):
             )
         except Exception as exc:  # jinja2 errors from the template (e.g. roles it rejects)
             raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from exc
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, self.tokenizer.encode(text, add_special_tokens=False), images
 
     async def create(self, request: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         self.check_model(request.model)
         self.check_capacity()
-        text, ids = self.render(request)
+        text, ids, images = await asyncio.to_thread(self.render, request)
         max_tokens = self.max_tokens_for(len(ids), request.max_completion_tokens or request.max_tokens)
         top = request.top_logprobs or 0
         logprobs = top if request.logprobs else None
         params = self.params(lambda: request.sampling_params(max_tokens, self.defaults, logprobs))
         request_id = random_id("chatcmpl")
-        first, stream = await self.start(
-            request_id, {"prompt": text, "prompt_token_ids": ids}, params, request.priority
-        )
+        prompt = {"prompt": text, "prompt_token_ids": ids}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        first, stream = await self.start(request_id, prompt, params, request.priority)
         if request.stream:
             return StreamingResponse(
                 self._stream(request, request_id, first, stream, top), media_type="text/event-stream"
@@ -86,7 +103,7 @@ class ServingChat(OpenAIServing):
                     "stop_reason": completion.stop_reason,
                 }
             )
-        totals = usage(len(ids), completion_tokens)
+        totals = usage(len(final.prompt_token_ids), completion_tokens)  # images expanded
         return JSONResponse(
             {
                 "id": request_id,

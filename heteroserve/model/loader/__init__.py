@@ -12,12 +12,14 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from heteroserve.config import ModelConfig
-from heteroserve.model.arch import ModelArch
+from heteroserve.model.arch import VISION_LANGUAGE, ModelArch
 from heteroserve.model.decoder import DecoderModel
 from heteroserve.model.loader.gguf_loader import gguf_config, iterate_gguf, open_gguf
 from heteroserve.model.loader.safetensors_loader import iterate_safetensors
 from heteroserve.model.loader.source import ModelSource, resolve_model
 from heteroserve.model.loader.weights import load_weights, quantize_projections
+from heteroserve.model.vision.encoder import VisionEncoder
+from heteroserve.model.vision.loading import build_vision_encoder, split_vision_tensors
 from heteroserve.platforms import Platform
 from heteroserve.quantization.checkpoint import checkpoint_quantization, unpack_checkpoint
 
@@ -45,6 +47,7 @@ class LoadedModel:
     eos_token_id: int | None
     extra_eos_token_ids: list[int] = field(default_factory=list)
     sampling_defaults: dict[str, object] = field(default_factory=dict)
+    vision: VisionEncoder | None = None  # the image encoder of a vision-language model
 
 
 def load_model(config: ModelConfig, platform: Platform, kernels: str = "auto") -> LoadedModel:
@@ -69,6 +72,9 @@ def load_model(config: ModelConfig, platform: Platform, kernels: str = "auto") -
         checkpoint_dtype = _config_dtype(hf_config)
         tensors = _checkpoint_tensors(source.folder, hf_config, quantization)
     arch = ModelArch.from_hf_config(hf_config)
+    vision_tensors: dict[str, torch.Tensor] = {}
+    if hf_config.model_type in VISION_LANGUAGE:
+        tensors = split_vision_tensors(tensors, vision_tensors)
     dtype = platform.resolve_dtype(config.dtype, checkpoint_dtype)
     max_model_len = config.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
@@ -78,17 +84,20 @@ def load_model(config: ModelConfig, platform: Platform, kernels: str = "auto") -
     load_weights(model, tensors, dtype)
     model.to(platform.device).eval()
     model.prepare_weights()
+    vision = None
+    if hf_config.model_type in VISION_LANGUAGE:
+        vision = build_vision_encoder(hf_config, vision_tensors, dtype, platform.device)
     logger.info("weights: %.1f MiB as stored", model.weight_bytes() / 2**20)
     logger.info("kernels on %s: %s", platform.name, ", ".join(f"{k}={v}" for k, v in ops.describe().items()))
 
     tokenizer = load_tokenizer(source)
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     if eos is None:
-        eos = _first(hf_config.eos_token_id)
+        eos = _first(getattr(hf_config.get_text_config(), "eos_token_id", None))
     generation = _generation_config(source.folder) if config.generation_config == "auto" else {}
     extra_eos = [t for t in _as_list(generation.get("eos_token_id")) if t != eos]
     defaults = {ours: generation[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if theirs in generation}
-    return LoadedModel(source, model, hf_config, tokenizer, dtype, max_model_len, eos, extra_eos, defaults)
+    return LoadedModel(source, model, hf_config, tokenizer, dtype, max_model_len, eos, extra_eos, defaults, vision)
 
 
 def _checkpoint_tensors(folder: Path, hf_config: PretrainedConfig, quantization: str | None):
