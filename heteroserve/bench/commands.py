@@ -86,7 +86,7 @@ def _engine(args: argparse.Namespace) -> LLMEngine:
 def _requests(engine: LLMEngine, args, scenario: str, num: int):
     if args.input_len >= engine.max_model_len:
         raise SystemExit(f"--input-len {args.input_len} does not fit max_model_len={engine.max_model_len}")
-    return _dataset(engine.tokenizer, engine.runner.arch.vocab_size, args, scenario, num)
+    return _dataset(engine.tokenizer, engine.vocab_size, args, scenario, num)
 
 
 def _dataset(tokenizer, vocab_size: int, args, scenario: str, num: int):
@@ -151,7 +151,7 @@ def _throughput(args) -> None:
             "preemptions": run.num_preemptions,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "quantization": engine.config.model.quantization or "as checkpoint",
-            "weight_bytes": engine.runner.model.weight_bytes(),
+            "weight_bytes": engine.weight_bytes,
         },
         "peers": {},
         "latency_samples_ms": {"heteroserve request e2e": [1000 * x for x in run.e2e_s]},
@@ -195,7 +195,7 @@ def _latency(args) -> None:
     ours = single_stream(engine, prompt, args.output_len, args.repeats)
     samples = ours.pop("inter_token_samples_ms")
     ours["quantization"] = engine.config.model.quantization or "as checkpoint"
-    ours["weight_bytes"] = engine.runner.model.weight_bytes()
+    ours["weight_bytes"] = engine.weight_bytes
     result = {
         "command": "latency",
         "input_len": len(prompt),

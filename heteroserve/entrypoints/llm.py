@@ -7,7 +7,14 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from heteroserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from heteroserve.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from heteroserve.engine.llm_engine import LLMEngine, PromptInput
 from heteroserve.outputs import RequestOutput
 from heteroserve.sampling_params import RequestOutputKind, SamplingParams
@@ -35,12 +42,26 @@ class LLM:
         kernels: str = "auto",
         quantization: str | None = None,
         seed: int = 0,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
+        nnodes: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=ModelConfig(model, dtype, max_model_len, seed, quantization, generation_config=generation_config),
             cache=CacheConfig(block_size, kv_cache_memory_bytes, enable_prefix_caching, num_kv_blocks),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, scheduling_policy),
             device=DeviceConfig(device, kernels),
+            parallel=ParallelConfig(
+                tensor_parallel_size,
+                pipeline_parallel_size,
+                distributed_executor_backend,
+                nnodes,
+                master_addr=master_addr,
+                master_port=master_port,
+            ),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
@@ -52,6 +73,10 @@ class LLM:
         llm.engine = LLMEngine(config)
         llm._ids = itertools.count()
         return llm
+
+    def shutdown(self) -> None:
+        """Stops the worker processes now (they also stop when this object is collected or Python exits)."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

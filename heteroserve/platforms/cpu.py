@@ -152,6 +152,9 @@ class CpuPlatform(Platform):
     def empty_cache(self) -> None:
         """The CPU allocator keeps no cache of its own."""
 
+    def bind_rank(self, local_rank: int) -> None:
+        """CPU ranks share the host; each worker process takes its share of the cores instead."""
+
     def configure_process(self) -> None:
         threads = os.environ.get("HETEROSERVE_NUM_THREADS")
         if threads:

@@ -178,7 +178,7 @@ def build_app(
     @app.post("/detokenize", responses=_API_ERRORS)
     async def detokenize(body: DetokenizeRequest):
         completions.check_model(body.model)
-        vocab = engine.engine.runner.arch.vocab_size
+        vocab = engine.engine.vocab_size
         if chats.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
         if any(not 0 <= t < vocab for t in body.tokens):
