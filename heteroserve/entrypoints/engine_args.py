@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from heteroserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from heteroserve.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +62,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "int4: quantise a float checkpoint at load",
     )
     group.add_argument("--seed", type=int, default=0, help="engine seed (and the bench's random dataset seed)")
+    add_parallel_args(parser)
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallelism (docs/PLATFORMS.md)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks that split each layer")
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="ranks that split the layers")
+    group.add_argument(
+        "--distributed-executor-backend",
+        default=None,
+        choices=["mp", "ray"],
+        help="mp: worker processes (default for more than one rank); ray: Ray actors (pip install heteroserve[ray])",
+    )
+    group.add_argument("--nnodes", type=int, default=1, help="machines the ranks are spread over")
+    group.add_argument("--node-rank", type=int, default=0, help="this machine's index; > 0 runs workers only")
+    group.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (torch.distributed rendezvous)")
+    group.add_argument(
+        "--master-port", type=int, default=None, help="rendezvous port on node 0 (default: free port; 29500 on nodes)"
+    )
 
 
 def engine_config_from_args(model: str | None, args: argparse.Namespace) -> EngineConfig:
@@ -75,4 +101,13 @@ def engine_config_from_args(model: str | None, args: argparse.Namespace) -> Engi
             args.scheduling_policy,
         ),
         device=DeviceConfig(args.device, args.kernels),
+        parallel=ParallelConfig(
+            args.tensor_parallel_size,
+            args.pipeline_parallel_size,
+            args.distributed_executor_backend,
+            args.nnodes,
+            args.node_rank,
+            args.master_addr,
+            args.master_port,
+        ),
     )
