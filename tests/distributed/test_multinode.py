@@ -1,5 +1,7 @@
 """Two "nodes" on 127.0.0.1: the head and a `heteroserve serve --node-rank 1` process meet through
-torch.distributed's TCP rendezvous; their greedy tokens must match transformers (near-tie rule)."""
+torch.distributed's TCP rendezvous; their greedy tokens must match transformers (near-tie rule).
+The pipeline-parallel case is in the slow set (`python -m pytest tests/distributed -m slow`);
+pipeline parallelism on one node is in the default one."""
 
 from __future__ import annotations
 
@@ -67,6 +69,7 @@ def test_tensor_parallel_across_two_nodes_serves_requests(qwen2, greedy_comparis
         node.kill()
 
 
+@pytest.mark.slow
 def test_pipeline_parallel_across_two_nodes(qwen2, greedy_comparison):
     port = free_port()
     node = start_second_node(qwen2, port, "--pipeline-parallel-size", "2")
