@@ -48,10 +48,15 @@ class RayExecutor(Executor):
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
         world = config.parallel.world_size
-        resource = {"GPU": 1} if config.device.device not in ("auto", "cpu") else {"CPU": 1}
-        self._group = placement_group([dict(resource)] * world, strategy="PACK")
+        resource = self.platform.ray_resource
+        self._group = placement_group([{resource: 1}] * world, strategy="PACK")
         ray.get(self._group.ready())
-        actor_class = ray.remote(num_cpus=resource.get("CPU", 0), num_gpus=resource.get("GPU", 0))(RayWorker)
+        if resource == "CPU":
+            actor_class = ray.remote(num_cpus=1)(RayWorker)
+        elif resource == "GPU":
+            actor_class = ray.remote(num_cpus=0, num_gpus=1)(RayWorker)
+        else:  # a custom resource, e.g. NPU with Ray's Ascend support
+            actor_class = ray.remote(num_cpus=0, resources={resource: 1})(RayWorker)
         self.actors = [
             actor_class.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=rank),

@@ -118,6 +118,7 @@ class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
+    ray_resource = "CPU"
 
     @classmethod
     def is_available(cls) -> bool:

@@ -34,6 +34,7 @@ class Platform:
     unsupported_operators: frozenset[str] = frozenset()  # these run on the CPU (see operators.py)
     memory_utilization: float = 0.9  # share of device memory the weights plus KV cache may take
     device_index: int | None = None  # set by `bind_rank` when several ranks share a node
+    ray_resource: str = "GPU"  # the Ray resource one rank of this device takes (Ray's name for it)
 
     def __init__(self) -> None:
         self.operator_fallbacks: Counter[str] = Counter()  # calls that ran on the CPU, by operator
