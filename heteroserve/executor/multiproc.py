@@ -30,11 +30,14 @@ class MultiprocExecutor(Executor):
         self.platform = resolve_platform(config.device.device)
         parallel = config.parallel
         port = parallel.master_port or free_port()
-        self._conn, worker_end = multiprocessing.get_context("spawn").Pipe()
-        self.processes = start_node_workers(config, 0, port, worker_end)
-        worker_end.close()
+        pipes = [multiprocessing.get_context("spawn").Pipe() for _ in range(parallel.ranks_per_node)]
+        self._reports = [ours for ours, _ in pipes]
+        self._conn = self._reports[0]  # rank 0: steps, answers and its failure; the others: their failure
+        self.processes = start_node_workers(config, 0, port, [theirs for _, theirs in pipes])
+        for _, theirs in pipes:
+            theirs.close()
         self._dead: BaseException | None = None
-        self._finalizer = weakref.finalize(self, _stop, self._conn, self.processes)
+        self._finalizer = weakref.finalize(self, _stop, self._reports, self.processes)
         if parallel.nnodes > 1:
             logger.info("waiting for %d more node(s) to join %s:%d", parallel.nnodes - 1, parallel.master_addr, port)
         self.model_info = self._receive()
@@ -51,23 +54,37 @@ class MultiprocExecutor(Executor):
         return self._receive()
 
     def _receive(self):
-        """Rank 0's next answer, or an exception as soon as rank 0 reports an error or any worker exits."""
-        sentinels = {p.sentinel: p for p in self.processes}
-        ready = wait([self._conn, *sentinels])
+        """Rank 0's next answer, or an exception as soon as a rank reports an error or any worker exits."""
+        ready = wait([*self._reports, *(p.sentinel for p in self.processes)])
         if self._conn in ready:
             try:
                 kind, payload = self._conn.recv()
             except (EOFError, OSError):
                 kind, payload = "error", None
-            if kind == "ok" or kind == "ready":
+            if kind in ("ok", "ready"):
                 return payload
             if payload is not None:
                 self._fail(payload)
         for process in self.processes:  # a worker that hung up is about to exit: learn its exit code
             process.join(timeout=1.0)
+        reported = self._reported_error()
+        if reported is not None:
+            self._fail(reported)
         exited = [p for p in self.processes if not p.is_alive()]
         detail = ", ".join(f"{p.name} (pid {p.pid}) exit code {p.exitcode}" for p in exited) or "rank 0 hung up"
         self._fail(WorkerDiedError(f"a worker process died: {detail}"))
+
+    def _reported_error(self) -> BaseException | None:
+        """The first failure a rank reported before exiting, if any did."""
+        for conn in self._reports:
+            try:
+                if conn.poll(0):
+                    kind, payload = conn.recv()
+                    if kind == "error":
+                        return payload
+            except (EOFError, OSError):
+                continue
+        return None
 
     def _fail(self, error: BaseException):
         self._dead = error
@@ -81,10 +98,10 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
 
-def _stop(conn: Connection, processes: list[BaseProcess]) -> None:
+def _stop(reports: list[Connection], processes: list[BaseProcess]) -> None:
     """Asks rank 0 to stop every rank, then ends whatever is left."""
     with contextlib.suppress(OSError):
-        conn.send(SHUTDOWN)
+        reports[0].send(SHUTDOWN)
     for process in processes:
         process.join(timeout=JOIN_TIMEOUT_S)
         if process.is_alive():
@@ -93,4 +110,5 @@ def _stop(conn: Connection, processes: list[BaseProcess]) -> None:
         if process.is_alive():
             process.kill()
             process.join()
-    conn.close()
+    for conn in reports:
+        conn.close()

@@ -53,9 +53,10 @@ def _child_environment(variables: dict[str, str]):
 
 
 def start_node_workers(
-    config: EngineConfig, node_rank: int, master_port: int, driver: Connection | None
+    config: EngineConfig, node_rank: int, master_port: int, reports: list[Connection] | None
 ) -> list[BaseProcess]:
-    """Starts this node's ranks; `driver` (node 0 only) is rank 0's end of the engine's pipe."""
+    """Starts this node's ranks. On the head, `reports` are their ends of the engine's pipes: every rank
+    reports its failure there, and rank 0 also takes the steps and answers through its pipe."""
     parallel = config.parallel
     per_node = parallel.ranks_per_node
     threads = threads_per_rank(per_node)
@@ -67,7 +68,7 @@ def start_node_workers(
             rank = node_rank * per_node + local_rank
             process = context.Process(
                 target=run_worker,
-                args=(config, rank, local_rank, master_port, threads, driver if rank == 0 else None),
+                args=(config, rank, local_rank, master_port, threads, reports[local_rank] if reports else None),
                 name=f"heteroserve-rank{rank}",
                 daemon=True,
             )
@@ -77,7 +78,7 @@ def start_node_workers(
 
 
 def run_worker(
-    config: EngineConfig, rank: int, local_rank: int, master_port: int, threads: int, driver: Connection | None
+    config: EngineConfig, rank: int, local_rank: int, master_port: int, threads: int, report: Connection | None
 ) -> None:
     """A worker process's main function."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
@@ -89,14 +90,15 @@ def run_worker(
     worker = None
     try:
         worker = Worker(config, rank, local_rank, config.parallel.master_addr, master_port)
+        driver = report if rank == 0 else None
         if driver is not None:
             driver.send(("ready", worker.info))
         _serve_steps(worker, driver)
     except BaseException as exc:  # noqa: BLE001 - the engine must hear why, then this process ends
         logger.exception("rank %d failed", rank)
-        if driver is not None:
+        if report is not None:
             with contextlib.suppress(OSError):
-                driver.send(("error", _portable(exc, rank)))
+                report.send(("error", _portable(exc, rank)))
         sys.exit(1)
     finally:
         if worker is not None:
