@@ -16,6 +16,7 @@ from multiprocessing.process import BaseProcess
 
 from heteroserve.config import EngineConfig
 from heteroserve.executor.base import Executor, WorkerDiedError
+from heteroserve.executor.step_wire import StepEncoder
 from heteroserve.executor.worker_process import SHUTDOWN, free_port, start_node_workers
 from heteroserve.platforms import resolve_platform
 
@@ -27,6 +28,7 @@ JOIN_TIMEOUT_S = 10.0
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__()
+        self._encoder = StepEncoder()
         self.platform = resolve_platform(config.device.device)
         parallel = config.parallel
         port = parallel.master_port or free_port()
@@ -43,12 +45,10 @@ class MultiprocExecutor(Executor):
         self.model_info = self._receive()
 
     def _execute(self, scheduled, released):
-        from heteroserve.worker.worker import Step
-
         if self._dead is not None:
             raise WorkerDiedError(f"the workers have failed: {self._dead}") from self._dead
         try:
-            self._conn.send(Step(scheduled, released))
+            self._conn.send(self._encoder.encode(scheduled, released))
         except OSError as exc:
             self._fail(WorkerDiedError(f"cannot reach worker rank 0: {exc}"))
         return self._receive()

@@ -8,6 +8,7 @@ import os
 
 from heteroserve.config import EngineConfig
 from heteroserve.executor.base import Executor, WorkerDiedError
+from heteroserve.executor.step_wire import StepEncoder
 from heteroserve.platforms import resolve_platform
 
 
@@ -37,6 +38,7 @@ class RayWorker:
 class RayExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__()
+        self._encoder = StepEncoder()
         self.platform = resolve_platform(config.device.device)
         try:
             import ray
@@ -84,9 +86,7 @@ class RayExecutor(Executor):
             raise WorkerDiedError(f"a Ray worker failed: {exc}") from exc
 
     def _execute(self, scheduled, released):
-        from heteroserve.worker.worker import Step
-
-        step = self._ray.put(Step(scheduled, released))
+        step = self._ray.put(self._encoder.encode(scheduled, released))
         return self._get([actor.execute.remote(step) for actor in self.actors])[self._sampler]
 
     def shutdown(self) -> None:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from heteroserve.config import EngineConfig
 from heteroserve.core.scheduler import SchedulerOutput
 from heteroserve.distributed.parallel_state import ParallelGroups, init_parallel_groups
+from heteroserve.executor.step_wire import StepDecoder, WireStep
 from heteroserve.model.loader import load_model
 from heteroserve.platforms import Platform, resolve_platform
 from heteroserve.worker.model_runner import ModelRunner, StepResult
@@ -66,6 +67,7 @@ class Worker:
             )
         sharded = self.groups if parallel.world_size > 1 else None
         loaded = load_model(config.model, self.platform, config.device.kernels, sharded)
+        self._decoder = StepDecoder()
         self.runner = ModelRunner(loaded, self.platform, config.cache, config.model.seed)
         num_blocks, weight_bytes = self._agree(self.runner.num_blocks, loaded.model.weight_bytes())
         self.info = ModelInfo(
@@ -92,8 +94,10 @@ class Worker:
         dist.all_reduce(total, group=self.groups.control_group)
         return int(blocks), int(total)
 
-    def execute(self, step: Step) -> dict[str, StepResult] | None:
+    def execute(self, step: Step | WireStep) -> dict[str, StepResult] | None:
         """Runs the step on this rank; the sampling rank returns the results, the others None."""
+        if isinstance(step, WireStep):  # from another process: rebuild the requests from what changed
+            step = Step(*self._decoder.decode(step))
         for request_id in step.released:
             self.runner.release(request_id)
         results = self.runner.execute(step.scheduled) if step.scheduled.scheduled else {}
