@@ -16,6 +16,7 @@ from multiprocessing.process import BaseProcess
 
 from heteroserve.config import EngineConfig
 from heteroserve.executor.base import Executor, WorkerDiedError
+from heteroserve.executor.preflight import check_model_split
 from heteroserve.executor.step_wire import StepEncoder
 from heteroserve.executor.worker_process import SHUTDOWN, free_port, start_node_workers
 from heteroserve.platforms import resolve_platform
@@ -29,6 +30,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__()
         self._encoder = StepEncoder()
+        check_model_split(config)
         self.platform = resolve_platform(config.device.device)
         parallel = config.parallel
         port = parallel.master_port or free_port()

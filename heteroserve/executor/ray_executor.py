@@ -8,6 +8,7 @@ import os
 
 from heteroserve.config import EngineConfig
 from heteroserve.executor.base import Executor, WorkerDiedError
+from heteroserve.executor.preflight import check_model_split
 from heteroserve.executor.step_wire import StepEncoder
 from heteroserve.platforms import resolve_platform
 
@@ -39,6 +40,7 @@ class RayExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__()
         self._encoder = StepEncoder()
+        check_model_split(config)
         self.platform = resolve_platform(config.device.device)
         try:
             import ray

@@ -75,6 +75,16 @@ def test_heads_not_divisible_is_a_clear_error(qwen2):
         qwen2.llm(tensor_parallel_size=3)
 
 
+def test_int4_split_inside_a_group_is_reported_by_the_workers(tmp_path):
+    """o_proj has 32 input columns (2 heads x 16), one 4-bit group: 2 ranks would cut it in half. Only the
+    loader sees that, inside the workers; the engine must raise their ValueError, not a generic failure."""
+    overrides = {"num_attention_heads": 2, "num_key_value_heads": 2, "tie_word_embeddings": False}
+    build_hf_model("qwen2", {**overrides, "use_sliding_window": False}, seed=5).save_pretrained(tmp_path)
+    model = TinyModel("int4", tmp_path, None)
+    with pytest.raises(ValueError, match=r"o_proj.*groups of 32 columns cannot be split at column 16"):
+        model.llm(tensor_parallel_size=2, quantization="int4")
+
+
 def test_worker_killed_mid_run_fails_the_engine_not_hangs(qwen2):
     """A rank killed between steps: the next step raises, clients get a 500 and /health turns 503."""
     engine = AsyncLLMEngine(qwen2.llm(tensor_parallel_size=2).engine)
