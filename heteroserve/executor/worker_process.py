@@ -34,7 +34,9 @@ def free_port() -> int:
 
 
 def threads_per_rank(ranks_on_node: int) -> int:
-    return max(1, (os.cpu_count() or 1) // ranks_on_node)
+    """This node's cores (those the process may run on) shared evenly by its ranks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // ranks_on_node)
 
 
 @contextlib.contextmanager
