@@ -108,9 +108,60 @@ class MultimodalConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How many ranks run the model and where: tensor x pipeline ranks, spread evenly over `nnodes` machines
+    that meet at `master_addr:master_port` (torch.distributed's TCP rendezvous)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # None: in-process for one rank, "mp" for more
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port on one node, 29500 (torch's default) across nodes
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ValueError(
+                f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.world_size % self.nnodes:
+            raise ValueError(
+                f"{self.world_size} ranks (tensor x pipeline parallel) do not split evenly over {self.nnodes} nodes"
+            )
+        if self.nnodes > 1 and self.distributed_executor_backend == "ray":
+            raise ValueError("with Ray, start a Ray cluster on the nodes instead of passing --nnodes")
+        if self.master_port is None and self.nnodes > 1:
+            self.master_port = 29500
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in 1..65535, got {self.master_port}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def executor_backend(self) -> str:
+        """uni (in-process), mp or ray."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 and self.nnodes == 1 else "mp"
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     multimodal: MultimodalConfig = field(default_factory=MultimodalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

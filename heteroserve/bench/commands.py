@@ -124,7 +124,7 @@ def _throughput(args) -> None:
             "preemptions": run.num_preemptions,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "quantization": engine.config.model.quantization or "as checkpoint",
-            "weight_bytes": engine.runner.model.weight_bytes(),
+            "weight_bytes": engine.weight_bytes,
         },
         "peers": {},
         "latency_samples_ms": {"heteroserve request e2e": [1000 * x for x in run.e2e_s]},
@@ -165,7 +165,7 @@ def _latency(args) -> None:
     ours = single_stream(engine, prompt, args.output_len, args.repeats)
     samples = ours.pop("inter_token_samples_ms")
     ours["quantization"] = engine.config.model.quantization or "as checkpoint"
-    ours["weight_bytes"] = engine.runner.model.weight_bytes()
+    ours["weight_bytes"] = engine.weight_bytes
     result = {
         "command": "latency",
         "input_len": len(prompt),

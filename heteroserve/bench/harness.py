@@ -27,7 +27,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
 def engine_requests(engine: LLMEngine, args, scenario: str, num: int):
     if args.input_len >= engine.max_model_len:
         raise SystemExit(f"--input-len {args.input_len} does not fit max_model_len={engine.max_model_len}")
-    return dataset(engine.tokenizer, engine.runner.arch.vocab_size, args, scenario, num)
+    return dataset(engine.tokenizer, engine.vocab_size, args, scenario, num)
 
 
 def dataset(tokenizer, vocab_size: int, args, scenario: str, num: int):

@@ -97,6 +97,7 @@ class AsyncLLMEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
     def _send(self, message: _Add | _Abort) -> None:
         self._inbox.put(message)

@@ -11,14 +11,12 @@ from heteroserve.core.kv_cache_manager import KVCacheManager
 from heteroserve.core.request import Request, RequestStatus
 from heteroserve.core.scheduler import Scheduler, SchedulerStats
 from heteroserve.engine.output_processor import OutputProcessor, ParentRequest
-from heteroserve.model.loader import load_model
+from heteroserve.executor import make_executor
 from heteroserve.multimodal.inputs import MultimodalInputs
 from heteroserve.multimodal.media import ImageError, MediaPolicy
 from heteroserve.multimodal.processor import ImageInputProcessor
 from heteroserve.outputs import RequestOutput
-from heteroserve.platforms import resolve_platform
 from heteroserve.sampling_params import SamplingParams
-from heteroserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -28,39 +26,43 @@ PromptInput = str | Sequence[int] | Mapping[str, object]
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.platform = resolve_platform(config.device.device)
-        self.platform.configure_process()
-        self.platform.manual_seed(config.model.seed)
-        loaded = load_model(config.model, self.platform, config.device.kernels)
-        self.model_name = loaded.source.name
-        self.tokenizer = loaded.tokenizer
-        self.hf_config = loaded.hf_config
-        self.dtype = loaded.dtype
-        self.max_model_len = loaded.max_model_len
-        self.eos_token_id = loaded.eos_token_id
-        self.extra_eos_token_ids = loaded.extra_eos_token_ids
-        self.sampling_defaults = loaded.sampling_defaults
-        config.scheduler.finalize(loaded.max_model_len)
-        self.runner = ModelRunner(loaded, self.platform, config.cache, config.model.seed)
-        kv_cache = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.executor = make_executor(config)  # loads the model where it runs (this process or workers)
+        info = self.executor.model_info
+        self.model_name = info.model_name
+        self.tokenizer = info.tokenizer
+        self.hf_config = info.hf_config
+        self.dtype = info.dtype
+        self.max_model_len = info.max_model_len
+        self.eos_token_id = info.eos_token_id
+        self.extra_eos_token_ids = info.extra_eos_token_ids
+        self.sampling_defaults = info.sampling_defaults
+        self.vocab_size = info.vocab_size
+        self.weight_bytes = info.weight_bytes
+        config.scheduler.finalize(info.max_model_len)
+        kv_cache = KVCacheManager(info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, kv_cache)
         self.outputs = OutputProcessor(self.tokenizer)
         self.media = MediaPolicy(max_pixels=config.multimodal.max_image_pixels)
         self.image_processor = None
-        if loaded.vision is not None:
+        if info.vision_language:
             mm = config.multimodal
             self.image_processor = ImageInputProcessor(
-                loaded.source.folder, loaded.hf_config, mm.limit_images_per_prompt, mm.min_pixels, mm.max_pixels
+                info.model_folder, info.hf_config, mm.limit_images_per_prompt, mm.min_pixels, mm.max_pixels
             )
         self._children: dict[str, list[str]] = {}  # user request id -> engine request ids (n > 1)
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, reported by the next step
-        tokens = self.runner.num_blocks * config.cache.block_size
+        tokens = info.num_blocks * config.cache.block_size
+        parallel = config.parallel
         logger.info(
-            "model %s on %s (%s): KV cache of %d blocks x %d tokens = %d tokens, %.1fx concurrency at max_model_len=%d",
+            "model %s on %s x%d (tp=%d, pp=%d, %s): KV cache of %d blocks x %d tokens = %d tokens, "
+            "%.1fx concurrency at max_model_len=%d",
             self.model_name,
             self.platform.name,
+            parallel.world_size,
+            parallel.tensor_parallel_size,
+            parallel.pipeline_parallel_size,
             str(self.dtype).removeprefix("torch."),
-            self.runner.num_blocks,
+            info.num_blocks,
             config.cache.block_size,
             tokens,
             tokens / self.max_model_len,
@@ -149,7 +151,7 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, more than max_model_len={self.max_model_len}")
-        vocab = self.runner.arch.vocab_size
+        vocab = self.vocab_size
         bad = next((t for t in token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
@@ -163,7 +165,7 @@ class LLMEngine:
         for request_id in ids:
             for engine_id in self._children.get(request_id, [request_id]):
                 if self.scheduler.finish_request(engine_id, RequestStatus.FINISHED_ABORTED) is not None:
-                    self.runner.release(engine_id)
+                    self.executor.release(engine_id)
                     output = self.outputs.make_output(engine_id)
                     if output is not None:
                         self._pending.append(output)
@@ -177,7 +179,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return outputs
-        results = self.runner.execute(scheduled)
+        results = self.executor.execute(scheduled)
         sampled = {rid: r.token_id for rid, r in results.items() if r.token_id is not None}
         self.scheduler.update_from_output(scheduled, sampled)
         for item in scheduled.scheduled:
@@ -191,7 +193,7 @@ class LLMEngine:
             if self.outputs.add_token(rid, result.token_id, result.logprobs) and not request.status.finished:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
             if request.status.finished:
-                self.runner.release(rid)
+                self.executor.release(rid)
             output = self.outputs.make_output(rid)
             if output is not None:
                 outputs.append(output)
@@ -206,3 +208,20 @@ class LLMEngine:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    @property
+    def platform(self):
+        """The device platform (with worker processes, the engine process's own copy of it)."""
+        return self.executor.platform
+
+    @property
+    def runner(self):
+        """The model runner, for looking inside a single-rank engine (tests, the bench)."""
+        worker = getattr(self.executor, "worker", None)
+        if worker is None:
+            raise AttributeError("the model runs in worker processes; no runner in this process")
+        return worker.runner
+
+    def shutdown(self) -> None:
+        """Stops the workers (worker processes or Ray actors); the engine cannot step afterwards."""
+        self.executor.shutdown()

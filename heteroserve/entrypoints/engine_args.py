@@ -11,6 +11,7 @@ from heteroserve.config import (
     EngineConfig,
     ModelConfig,
     MultimodalConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 
@@ -89,6 +90,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="largest input image (width x height, before resizing); larger ones are answered 400",
     )
 
+    add_parallel_args(parser)
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallelism (docs/PLATFORMS.md)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks that split each layer")
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="ranks that split the layers")
+    group.add_argument(
+        "--distributed-executor-backend",
+        default=None,
+        choices=["mp", "ray"],
+        help="mp: worker processes (default for more than one rank); ray: Ray actors (pip install heteroserve[ray])",
+    )
+    group.add_argument("--nnodes", type=int, default=1, help="machines the ranks are spread over")
+    group.add_argument("--node-rank", type=int, default=0, help="this machine's index; > 0 runs workers only")
+    group.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (torch.distributed rendezvous)")
+    group.add_argument(
+        "--master-port", type=int, default=None, help="rendezvous port on node 0 (default: free port; 29500 on nodes)"
+    )
+
 
 def _image_limit(value: str) -> int:
     """'image=N' or '{"image": N}' -> N."""
@@ -130,5 +151,14 @@ def engine_config_from_args(model: str | None, args: argparse.Namespace) -> Engi
             (args.mm_processor_kwargs or {}).get("min_pixels"),
             (args.mm_processor_kwargs or {}).get("max_pixels"),
             args.max_image_pixels,
+        ),
+        parallel=ParallelConfig(
+            args.tensor_parallel_size,
+            args.pipeline_parallel_size,
+            args.distributed_executor_backend,
+            args.nnodes,
+            args.node_rank,
+            args.master_addr,
+            args.master_port,
         ),
     )

@@ -15,6 +15,7 @@ from heteroserve.config import (
     EngineConfig,
     ModelConfig,
     MultimodalConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from heteroserve.engine.llm_engine import LLMEngine, PromptInput
@@ -49,6 +50,12 @@ class LLM:
         limit_mm_per_prompt: dict[str, int] | None = None,
         mm_processor_kwargs: dict[str, int] | None = None,
         allowed_local_media_path: str | None = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
+        nnodes: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
     ) -> None:
         """limit_mm_per_prompt={"image": N}, mm_processor_kwargs={"min_pixels": ..., "max_pixels": ...} as in vLLM;
         chat() reads local image files only under allowed_local_media_path."""
@@ -65,6 +72,14 @@ class LLM:
                 pixels.get("min_pixels"),
                 pixels.get("max_pixels"),
             ),
+            parallel=ParallelConfig(
+                tensor_parallel_size,
+                pipeline_parallel_size,
+                distributed_executor_backend,
+                nnodes,
+                master_addr=master_addr,
+                master_port=master_port,
+            ),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
@@ -78,6 +93,10 @@ class LLM:
         llm._ids = itertools.count()
         llm._local_media = None
         return llm
+
+    def shutdown(self) -> None:
+        """Stops the worker processes now (they also stop when this object is collected or Python exits)."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from heteroserve.distributed.parallel_state import ParallelGroups
+from heteroserve.distributed.sharding import ModelShard
 from heteroserve.model.arch import ModelArch
 from heteroserve.model.layers.attention import AttentionMetadata, paged_attention
 from heteroserve.model.layers.norm import RMSNorm
@@ -25,9 +27,10 @@ def _weight(rows: int, cols: int) -> nn.Parameter:
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, ops: OperatorTable) -> None:
+    def __init__(self, arch: ModelArch, ops: OperatorTable, parallel: ParallelGroups) -> None:
         super().__init__()
         self.ops = ops
+        self.parallel = parallel
         self.linear = ops.linear
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -51,16 +54,17 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.ops)
-        return self.linear(out.flatten(1), self.o_proj)
+        return self.parallel.all_reduce(self.linear(out.flatten(1), self.o_proj))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, ops: OperatorTable) -> None:
+    def __init__(self, arch: ModelArch, ops: OperatorTable, parallel: ParallelGroups) -> None:
         super().__init__()
         self.ops = ops
         self.linear = ops.linear
+        self.parallel = parallel
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.self_attn = Attention(arch, ops)
+        self.self_attn = Attention(arch, ops, parallel)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.gate_up_proj = _weight(2 * arch.intermediate_size, arch.hidden_size)
         self.down_proj = _weight(arch.hidden_size, arch.intermediate_size)
@@ -68,17 +72,29 @@ class DecoderLayer(nn.Module):
     def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
         gate_up = self.linear(self.post_attention_layernorm(x), self.gate_up_proj)
-        return x + self.linear(self.ops.silu_and_mul(gate_up), self.down_proj)
+        return x + self.parallel.all_reduce(self.linear(self.ops.silu_and_mul(gate_up), self.down_proj))
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, arch: ModelArch, hf_config: PretrainedConfig, max_positions: int, ops: OperatorTable) -> None:
+    """With a `ModelShard`, the rank's part of the model: `arch` holds its local sizes (see distributed/)."""
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        hf_config: PretrainedConfig,
+        max_positions: int,
+        ops: OperatorTable,
+        shard: ModelShard | None = None,
+    ) -> None:
         super().__init__()
-        self.arch = arch
+        self.shard = shard or ModelShard.whole(arch)
+        self.parallel = self.shard.groups
+        self.arch = self.shard.arch
+        arch = self.arch
         self.ops = ops
         self.linear = self.ops.linear
         self.embed_tokens = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(arch, self.ops) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, self.ops, self.parallel) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.ops)
         self.lm_head = None if arch.tie_word_embeddings else _weight(arch.vocab_size, arch.hidden_size)
         self.rotary = rotary_embedding(hf_config.get_text_config(), arch.head_dim, max_positions, self.ops)
@@ -123,13 +139,16 @@ class DecoderModel(nn.Module):
         meta: AttentionMetadata,
         injected: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """positions: [T], or [3, T] for M-RoPE. injected: (rows, features [n, 1 + k, hidden]) for image
+        """The final hidden states; a pipeline stage before the last sends its output on instead.
+
+        positions: [T], or [3, T] for M-RoPE. injected: (rows, features [n, 1 + k, hidden]) for image
         placeholder tokens: features[:, 0] replaces their token embeddings, features[:, i] (DeepStack,
         Qwen3-VL) is added to their hidden states after decoder layer i - 1."""
-        if isinstance(self.embed_tokens, torch.Tensor):
-            x = F.embedding(input_ids, self.embed_tokens)
-        else:  # a compressed embedding dequantises just the rows looked up
-            x = self.embed_tokens.rows(input_ids).to(self.norm.weight.dtype)
+        dtype = self.norm.weight.dtype
+        if self.parallel.is_first_stage:
+            x = self.embed(input_ids)
+        else:
+            x = self.parallel.recv_hidden((len(input_ids), self.arch.hidden_size), dtype, input_ids.device)
         if injected is not None:
             rows, features = injected
             x[rows] = features[:, 0].to(x.dtype)
@@ -137,9 +156,28 @@ class DecoderModel(nn.Module):
             x = layer(x, positions, self.rotary, kv_cache, meta)
             if injected is not None and i + 1 < features.shape[1]:
                 x[rows] += features[:, i + 1].to(x.dtype)
+        if not self.parallel.is_last_stage:
+            self.parallel.send_hidden(x)
+            return x
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits for the given rows only (the LM head runs just where tokens are sampled)."""
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; with tensor parallelism each rank looks up its vocabulary rows and the sum joins them."""
+        ids = input_ids
+        if self.parallel.tp_size > 1:
+            local = input_ids - self.shard.vocab_start
+            inside = (local >= 0) & (local < self.arch.vocab_size)
+            ids = torch.where(inside, local, 0)
+        if isinstance(self.embed_tokens, torch.Tensor):
+            x = F.embedding(ids, self.embed_tokens)
+        else:  # an 8-bit embedding dequantises just the rows looked up
+            x = self.embed_tokens.rows(ids).to(self.norm.weight.dtype)
+        if self.parallel.tp_size > 1:
+            x = self.parallel.all_reduce(x * inside[:, None].to(x.dtype))
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits for the given rows only (the LM head runs just where tokens are sampled).
+        With tensor parallelism they are gathered on the sampling rank; the other ranks get None."""
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return self.linear(hidden, head).float()
+        return self.parallel.gather_vocab(self.linear(hidden, head).float(), self.shard.full_arch.vocab_size)

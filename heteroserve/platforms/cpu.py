@@ -160,6 +160,7 @@ class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
     dist_backend = "gloo"
+    ray_resource = "CPU"
 
     @classmethod
     def is_available(cls) -> bool:
@@ -197,6 +198,9 @@ class CpuPlatform(Platform):
 
     def empty_cache(self) -> None:
         """The CPU allocator keeps no cache of its own."""
+
+    def bind_rank(self, local_rank: int) -> None:
+        """CPU ranks share the host; each worker process takes its share of the cores instead."""
 
     def configure_process(self) -> None:
         threads = os.environ.get("HETEROSERVE_NUM_THREADS")

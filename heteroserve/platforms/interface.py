@@ -33,6 +33,8 @@ class Platform:
     vendor_extension: str | None = None  # the vendor's torch extension distribution (torch_npu, ...)
     unsupported_operators: frozenset[str] = frozenset()  # these run on the CPU (see operators.py)
     memory_utilization: float = 0.9  # share of device memory the weights plus KV cache may take
+    device_index: int | None = None  # set by `bind_rank` when several ranks share a node
+    ray_resource: str = "GPU"  # the Ray resource one rank of this device takes (Ray's name for it)
 
     def __init__(self) -> None:
         self.operator_fallbacks: Counter[str] = Counter()  # calls that ran on the CPU, by operator
@@ -44,7 +46,18 @@ class Platform:
 
     @property
     def device(self) -> torch.device:
-        return torch.device(self.device_type)
+        if self.device_index is None:
+            return torch.device(self.device_type)
+        return torch.device(self.device_type, self.device_index)
+
+    def distributed_backend(self) -> str:
+        """The torch.distributed backend for collectives between this device's ranks (gloo, nccl, hccl, ...)."""
+        return self.dist_backend
+
+    def bind_rank(self, local_rank: int) -> None:
+        """Gives the rank its own device when several ranks run on one node (one accelerator each)."""
+        self.device_index = local_rank
+        self.device_module().set_device(local_rank)
 
     def device_module(self) -> ModuleType:
         """`torch.cuda`, `torch.npu`, ...: the module a vendor extension registers for its device type."""

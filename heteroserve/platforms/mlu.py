@@ -14,6 +14,7 @@ class MluPlatform(Platform):
     name = "mlu"
     device_type = "mlu"
     dist_backend = "cncl"
+    ray_resource = "MLU"
     vendor_extension = "torch_mlu"
 
     @classmethod

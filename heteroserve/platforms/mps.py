@@ -11,6 +11,7 @@ class MpsPlatform(Platform):
     name = "mps"
     device_type = "mps"
     dist_backend = "gloo"  # no device collectives on MPS
+    ray_resource = "CPU"
 
     @classmethod
     def is_available(cls) -> bool:

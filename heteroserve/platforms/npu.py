@@ -14,6 +14,7 @@ class NpuPlatform(Platform):
     name = "npu"
     device_type = "npu"
     dist_backend = "hccl"
+    ray_resource = "NPU"
     vendor_extension = "torch_npu"
 
     @classmethod

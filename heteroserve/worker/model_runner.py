@@ -96,6 +96,8 @@ class ModelRunner:
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         kv = [(layer[0], layer[1]) for layer in self.kv_cache]
         hidden = self.model(ids, pos, kv, meta, injected)
+        if not self.model.parallel.is_last_stage:  # the next pipeline stage carries on
+            return {}
         return self._sample(items, hidden)
 
     def _sample(self, items: list[ScheduledRequest], hidden: torch.Tensor) -> dict[str, StepResult]:
@@ -117,6 +119,8 @@ class ModelRunner:
         if not rows:
             return results
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if logits is None:  # a tensor-parallel rank that does not sample
+            return results
         if sample_rows:
             index = torch.tensor([r for _, r in sample_rows], device=self.device)
             tokens, logprobs = self.sampler(logits[index], [self._sampling_row(item) for item, _ in sample_rows])

@@ -154,7 +154,7 @@ def build_app(
     @app.post("/detokenize", responses=_API_ERRORS)
     async def detokenize(body: DetokenizeRequest):
         completions.check_model(body.model)
-        vocab = engine.engine.runner.arch.vocab_size
+        vocab = engine.engine.vocab_size
         if chats.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
         if any(not 0 <= t < vocab for t in body.tokens):
@@ -223,7 +223,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
     group.add_argument("--enable-log-requests", action="store_true", help="log request bodies (prompts included)")
     group.add_argument("--uvicorn-log-level", default="info")
-    group.add_argument("--tensor-parallel-size", type=int, default=1)
     media = parser.add_argument_group("images in chat requests")
     media.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) image URLs (off: offline)")
     media.add_argument("--allowed-local-media-path", default=None, help="serve file:// images only under this folder")
@@ -234,10 +233,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def run_server(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.tensor_parallel_size != 1:
-        raise SystemExit("--tensor-parallel-size above 1 is not supported yet (it comes with the device layer)")
     model = args.model or args.model_tag
-    config = engine_config_from_args(model, args)
+    try:
+        config = engine_config_from_args(model, args)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    if config.parallel.node_rank > 0:  # a worker node: no engine, no HTTP; it serves the head's ranks
+        from heteroserve.executor.worker_process import run_node
+
+        raise SystemExit(run_node(config))
     chat_template = args.chat_template
     if chat_template is not None:
         path = Path(chat_template)

@@ -12,6 +12,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from heteroserve.config import ModelConfig
+from heteroserve.distributed.parallel_state import ParallelGroups
+from heteroserve.distributed.sharding import ModelShard
 from heteroserve.model.arch import VISION_LANGUAGE, ModelArch
 from heteroserve.model.decoder import DecoderModel
 from heteroserve.model.loader.gguf_loader import gguf_config, iterate_gguf, open_gguf
@@ -50,7 +52,10 @@ class LoadedModel:
     vision: VisionEncoder | None = None  # the image encoder of a vision-language model
 
 
-def load_model(config: ModelConfig, platform: Platform, kernels: str = "auto") -> LoadedModel:
+def load_model(
+    config: ModelConfig, platform: Platform, kernels: str = "auto", parallel: ParallelGroups | None = None
+) -> LoadedModel:
+    """The model, or with `parallel` this rank's share of it (sliced as the checkpoint streams in)."""
     source = resolve_model(config.model)
     quantization = config.quantization
     if source.gguf_file is not None:
@@ -80,7 +85,10 @@ def load_model(config: ModelConfig, platform: Platform, kernels: str = "auto") -
     if max_model_len > arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's %d positions", max_model_len, arch.max_position_embeddings)
     ops = platform.operator_table(dtype, kernels)
-    model = DecoderModel(arch, hf_config, max(max_model_len, arch.max_position_embeddings), ops)
+    shard = ModelShard.of(arch, parallel) if parallel is not None else None
+    if shard is not None:
+        tensors = shard.take(tensors)
+    model = DecoderModel(arch, hf_config, max(max_model_len, arch.max_position_embeddings), ops, shard)
     load_weights(model, tensors, dtype)
     model.to(platform.device).eval()
     model.prepare_weights()

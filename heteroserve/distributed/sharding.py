@@ -1,0 +1,152 @@
+"""Which part of a checkpoint a rank holds, and the slicing that takes it while the checkpoint streams in.
+
+Tensor parallelism (Megatron's layout): q/k/v and gate/up are column-parallel (each rank owns whole heads
+and a slice of the MLP's intermediate rows), o and down are row-parallel (the matching input columns; the
+partial outputs are summed by an all-reduce), the embedding and LM head own a slice of the vocabulary.
+KV heads are split like query heads; with fewer KV heads than ranks each rank keeps a copy of the one its
+query heads read. 4-bit weights are sliced in their packed form: rows freely, columns at group borders.
+Pipeline parallelism keeps the layers of the rank's stage, renumbered from 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from heteroserve.distributed.parallel_state import ParallelGroups, layer_range, vocab_range
+from heteroserve.model.arch import ModelArch
+from heteroserve.quantization.int4 import Int4Weight
+from heteroserve.quantization.int8 import Int8Weight
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class ModelShard:
+    """The part of the model one rank holds; `ModelShard.whole(arch)` is the unsharded model."""
+
+    groups: ParallelGroups
+    full_arch: ModelArch
+    arch: ModelArch  # the local sizes: heads, KV heads, intermediate rows, layers and vocabulary rows
+    vocab_start: int
+    layer_start: int
+    kv_head_start: int
+
+    @classmethod
+    def whole(cls, arch: ModelArch) -> ModelShard:
+        return cls(ParallelGroups(), arch, arch, 0, 0, 0)
+
+    @classmethod
+    def of(cls, arch: ModelArch, groups: ParallelGroups) -> ModelShard:
+        tp, r = groups.tp_size, groups.tp_rank
+        check_tensor_parallel(arch, tp)
+        first, last = layer_range(arch.num_layers, groups.pp_rank, groups.pp_size)
+        vocab_start, vocab_end = vocab_range(arch.vocab_size, r, tp)
+        if arch.num_kv_heads >= tp:
+            kv_heads, kv_start = arch.num_kv_heads // tp, r * arch.num_kv_heads // tp
+        else:  # replicated: the KV head of this rank's query heads
+            kv_heads, kv_start = 1, r * arch.num_kv_heads // tp
+        local = dataclasses.replace(
+            arch,
+            num_heads=arch.num_heads // tp,
+            num_kv_heads=kv_heads,
+            intermediate_size=arch.intermediate_size // tp,
+            num_layers=last - first,
+            vocab_size=vocab_end - vocab_start,
+        )
+        return cls(groups, arch, local, vocab_start, first, kv_start)
+
+    def take(self, tensors: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+        """The checkpoint's tensors as this rank holds them (others skipped), under local layer numbers."""
+        for name, tensor in tensors:
+            match = _LAYER.match(name)
+            if match is None:
+                yield name, self._slice(name, tensor)
+                continue
+            index = int(match.group(1)) - self.layer_start
+            if 0 <= index < self.arch.num_layers:
+                yield f"model.layers.{index}.{match.group(2)}", self._slice(match.group(2), tensor)
+
+    def _slice(self, name: str, tensor):
+        if self.groups.tp_size == 1:
+            return tensor
+        a, d = self.arch, self.full_arch.head_dim
+        r = self.groups.tp_rank
+        q = (r * a.num_heads * d, (r + 1) * a.num_heads * d)
+        kv = (self.kv_head_start * d, (self.kv_head_start + a.num_kv_heads) * d)
+        mlp = (r * a.intermediate_size, (r + 1) * a.intermediate_size)
+        vocab = (self.vocab_start, self.vocab_start + a.vocab_size)
+        rows = {
+            "q_proj": q,
+            "k_proj": kv,
+            "v_proj": kv,
+            "gate_proj": mlp,
+            "up_proj": mlp,
+            "embed_tokens": vocab,
+            "lm_head": vocab,
+        }
+        columns = {"o_proj": q, "down_proj": mlp}
+        for key, span in rows.items():
+            if f"{key}." in name:
+                return slice_rows(tensor, *span)
+        for key, span in columns.items():
+            if f"{key}.weight" in name:
+                return slice_columns(tensor, *span, name)
+        return tensor  # norms, q/k norms: replicated
+
+
+def check_tensor_parallel(arch: ModelArch, tp: int) -> None:
+    """A clear error when the model's heads or MLP rows cannot be split over `tp` ranks."""
+    if tp == 1:
+        return
+    problems = []
+    if arch.num_heads % tp:
+        problems.append(f"num_attention_heads={arch.num_heads} is not divisible by tensor_parallel_size={tp}")
+    if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
+        problems.append(
+            f"num_key_value_heads={arch.num_kv_heads} neither divides nor is divisible by tensor_parallel_size={tp}"
+        )
+    if arch.intermediate_size % tp:
+        problems.append(f"intermediate_size={arch.intermediate_size} is not divisible by tensor_parallel_size={tp}")
+    if problems:
+        sizes = [n for n in range(1, arch.num_heads + 1) if not _split_problem(arch, n)]
+        raise ValueError("; ".join(problems) + f" (sizes that work for this model: {sizes})")
+
+
+def _split_problem(arch: ModelArch, tp: int) -> bool:
+    kv_ok = arch.num_kv_heads % tp == 0 or tp % arch.num_kv_heads == 0
+    return bool(arch.num_heads % tp or arch.intermediate_size % tp or not kv_ok)
+
+
+def slice_rows(tensor, start: int, end: int):
+    if isinstance(tensor, torch.Tensor):
+        return tensor[start:end].clone()  # a copy, so the whole tensor can be freed
+    if isinstance(tensor, Int4Weight):
+        rows = (t[start:end].clone() for t in (tensor.packed, tensor.scale, tensor.zero))
+        return Int4Weight(*rows, tensor.group_size)
+    if isinstance(tensor, Int8Weight):
+        return Int8Weight(tensor.q[start:end].clone(), tensor.scale[start:end].clone(), tensor.group_size)
+    raise ValueError(f"tensor parallelism cannot split {type(tensor).__name__} weights; load with quantization='none'")
+
+
+def slice_columns(tensor, start: int, end: int, name: str):
+    if isinstance(tensor, torch.Tensor):
+        return tensor[:, start:end].contiguous()
+    if isinstance(tensor, Int4Weight):
+        g = tensor.group_size
+        if start % g or end % g:
+            raise ValueError(
+                f"{name}: 4-bit groups of {g} columns cannot be split at column {start if start % g else end}; "
+                "choose another tensor_parallel_size or load with quantization='none'"
+            )
+        return Int4Weight(
+            tensor.packed[:, start // 2 : end // 2].contiguous(),
+            tensor.scale[:, start // g : end // g].contiguous(),
+            tensor.zero[:, start // g : end // g].contiguous(),
+            g,
+        )
+    raise ValueError(f"tensor parallelism cannot split {type(tensor).__name__} weights; load with quantization='none'")

@@ -1,0 +1,36 @@
+"""Checks that the model splits over the requested ranks before any worker starts: reading config.json or a
+GGUF header takes milliseconds, starting workers takes seconds (and each would fail the same way)."""
+
+from __future__ import annotations
+
+import json
+
+from transformers import AutoConfig
+
+from heteroserve.config import EngineConfig
+from heteroserve.distributed.parallel_state import layer_range
+from heteroserve.distributed.sharding import check_tensor_parallel
+from heteroserve.model.arch import VISION_LANGUAGE, ModelArch
+from heteroserve.model.loader.gguf_loader import gguf_config, open_gguf
+from heteroserve.model.loader.source import resolve_model
+
+
+def check_model_split(config: EngineConfig) -> None:
+    """A ValueError naming the problem when the heads, MLP rows or layers cannot be split as asked."""
+    parallel = config.parallel
+    source = resolve_model(config.model.model)
+    if source.gguf_file is not None:
+        hf_config = gguf_config(open_gguf(source.gguf_file))
+    else:
+        try:
+            hf_config = AutoConfig.from_pretrained(source.folder)
+        except (ValueError, OSError, json.JSONDecodeError):
+            return  # the workers' loader reports an unreadable checkpoint in its own words
+    if hf_config.model_type in VISION_LANGUAGE:
+        raise ValueError(
+            f"{hf_config.model_type} runs on one rank: tensor and pipeline parallelism cover the text "
+            "architectures only (the vision tower and image inputs are not split or sent to workers)"
+        )
+    arch = ModelArch.from_hf_config(hf_config)
+    check_tensor_parallel(arch, parallel.tensor_parallel_size)
+    layer_range(arch.num_layers, 0, parallel.pipeline_parallel_size)

@@ -1,0 +1,113 @@
+"""One rank: joins the process groups, loads its share of the model and runs the steps it is handed.
+
+Every executor (in-process, worker processes, Ray actors) drives the same `Worker`; only how a step
+reaches it and how the sampled tokens get back differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from heteroserve.config import EngineConfig
+from heteroserve.core.scheduler import SchedulerOutput
+from heteroserve.distributed.parallel_state import ParallelGroups, init_parallel_groups
+from heteroserve.executor.step_wire import StepDecoder, WireStep
+from heteroserve.model.loader import load_model
+from heteroserve.platforms import Platform, resolve_platform
+from heteroserve.worker.model_runner import ModelRunner, StepResult
+
+
+@dataclass
+class ModelInfo:
+    """What the engine needs to know about the model, sent by rank 0 (the engine holds no weights)."""
+
+    model_name: str
+    tokenizer: object
+    hf_config: object
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_id: int | None
+    extra_eos_token_ids: list[int]
+    sampling_defaults: dict[str, object]
+    vocab_size: int
+    num_blocks: int  # the fewest any rank holds: every rank's KV cache must fit the blocks handed out
+    weight_bytes: int  # summed over the ranks
+    model_folder: Path  # where the checkpoint (and a VL model's image processor config) lives
+    vision_language: bool
+
+
+@dataclass
+class Step:
+    """What every rank receives per engine step: the schedule and the requests finished since the last one."""
+
+    scheduled: SchedulerOutput
+    released: list[str] = field(default_factory=list)
+
+
+class Worker:
+    def __init__(
+        self, config: EngineConfig, rank: int = 0, local_rank: int = 0, master_addr: str = "", master_port: int = 0
+    ) -> None:
+        parallel = config.parallel
+        self.platform: Platform = resolve_platform(config.device.device)
+        if parallel.world_size > 1:
+            self.platform.bind_rank(local_rank)
+        self.platform.configure_process()
+        self.platform.manual_seed(config.model.seed)
+        self.groups = ParallelGroups()
+        if parallel.world_size > 1:
+            self.groups = init_parallel_groups(
+                rank,
+                parallel.tensor_parallel_size,
+                parallel.pipeline_parallel_size,
+                self.platform.distributed_backend(),
+                master_addr,
+                master_port,
+            )
+        sharded = self.groups if parallel.world_size > 1 else None
+        loaded = load_model(config.model, self.platform, config.device.kernels, sharded)
+        self._decoder = StepDecoder()
+        self.runner = ModelRunner(loaded, self.platform, config.cache, config.model.seed)
+        num_blocks, weight_bytes = self._agree(self.runner.num_blocks, loaded.model.weight_bytes())
+        self.info = ModelInfo(
+            loaded.source.name,
+            loaded.tokenizer,
+            loaded.hf_config,
+            loaded.dtype,
+            loaded.max_model_len,
+            loaded.eos_token_id,
+            loaded.extra_eos_token_ids,
+            loaded.sampling_defaults,
+            loaded.model.shard.full_arch.vocab_size,
+            num_blocks,
+            weight_bytes,
+            loaded.source.folder,
+            loaded.vision is not None,
+        )
+
+    def _agree(self, num_blocks: int, weight_bytes: int) -> tuple[int, int]:
+        """The fewest KV blocks of any rank and the weights' bytes summed over ranks."""
+        if self.groups.world_size == 1:
+            return num_blocks, weight_bytes
+        blocks = torch.tensor([num_blocks])
+        dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.groups.control_group)
+        total = torch.tensor([weight_bytes])
+        dist.all_reduce(total, group=self.groups.control_group)
+        return int(blocks), int(total)
+
+    def execute(self, step: Step | WireStep) -> dict[str, StepResult] | None:
+        """Runs the step on this rank; the sampling rank returns the results, the others None."""
+        if isinstance(step, WireStep):  # from another process: rebuild the requests from what changed
+            step = Step(*self._decoder.decode(step))
+        for request_id in step.released:
+            self.runner.release(request_id)
+        results = self.runner.execute(step.scheduled) if step.scheduled.scheduled else {}
+        return results if self.groups.samples else None
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
