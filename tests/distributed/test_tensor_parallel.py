@@ -118,3 +118,12 @@ def test_worker_killed_mid_run_fails_the_engine_not_hangs(qwen2):
     engine.shutdown()
     assert finished.is_set(), "the engine hung after a worker died"
     assert all(not p.is_alive() for p in engine.engine.executor.processes)
+
+
+def test_vision_language_model_over_ranks_is_a_clear_error(tmp_path):
+    """The vision tower and image inputs are not split or sent to workers: refused before any worker starts."""
+    from tests.model.tiny_vl import save_tiny_vl
+
+    tiny = save_tiny_vl("qwen2_vl", tmp_path)
+    with pytest.raises(ValueError, match="qwen2_vl runs on one rank"):
+        tiny.llm(tensor_parallel_size=2)
