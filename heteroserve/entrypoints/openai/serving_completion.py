@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import AsyncIterator
 
@@ -49,18 +50,24 @@ class ServingCompletion(OpenAIServing):
         self.check_capacity()
         prompts = _prompts(request.prompt)
         request_id = random_id("cmpl")
-        started = []
-        try:
-            for i, prompt in enumerate(prompts):
-                text, ids = self._tokenize(prompt)
-                max_tokens = self.max_tokens_for(len(ids), request.max_tokens)
-                params = self.params(lambda m=max_tokens: request.sampling_params(m, self.defaults, request.logprobs))
-                engine_prompt = {"prompt": text, "prompt_token_ids": ids}
-                started.append(await self.start(f"{request_id}-{i}", engine_prompt, params, request.priority))
-        except APIError:
-            for _, stream in started:
-                await stream.aclose()
-            raise
+        prepared = []
+        for prompt in prompts:
+            text, ids = self._tokenize(prompt)
+            max_tokens = self.max_tokens_for(len(ids), request.max_tokens)
+            params = self.params(lambda m=max_tokens: request.sampling_params(m, self.defaults, request.logprobs))
+            prepared.append(({"prompt": text, "prompt_token_ids": ids}, params))
+        # All prompts enter the engine before any first token is awaited, so their prefills share steps.
+        results = await asyncio.gather(
+            *(self.start(f"{request_id}-{i}", p, params, request.priority) for i, (p, params) in enumerate(prepared)),
+            return_exceptions=True,
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            for result in results:
+                if not isinstance(result, BaseException):
+                    await result[1].aclose()
+            raise failures[0]
+        started = results
         if request.stream:
             return StreamingResponse(self._stream(request, request_id, started), media_type="text/event-stream")
         return JSONResponse(await self._full(request, request_id, started))
