@@ -25,13 +25,17 @@ class HFReference:
         self.tokenizer = tokenizer
         self._cache: dict[tuple, ReferenceRun] = {}
 
+    def _inputs(self, token_ids: list[int]) -> dict:
+        """The model's keyword inputs for one prompt (a vision-language reference adds its images)."""
+        ids = torch.tensor([token_ids])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
     @torch.inference_mode()
     def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> ReferenceRun:
         key = (tuple(prompt_ids), max_new_tokens)
         if key not in self._cache:
             out = self.model.generate(
-                torch.tensor([prompt_ids]),
-                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                **self._inputs(prompt_ids),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 output_logits=True,

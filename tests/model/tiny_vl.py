@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextTo
 
 from heteroserve.entrypoints.llm import LLM
 from tests.model.tiny_models import randomize
-from tests.reference import HFReference, ReferenceRun
+from tests.reference import HFReference
 
 VOCAB = 320
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
@@ -179,8 +179,8 @@ class VLReference(HFReference):
         return out
 
     def _inputs(self, token_ids: list[int]) -> dict:
-        ids = torch.tensor([token_ids])
-        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        inputs = super()._inputs(token_ids)
+        ids = inputs["input_ids"]
         if self.grid_thw is not None:
             inputs["pixel_values"] = self.pixel_values
             inputs["image_grid_thw"] = self.grid_thw
@@ -202,18 +202,3 @@ class VLReference(HFReference):
             use_cache=True,
         )
         return torch.cat((first.logits[0], rest.logits[0])).float()
-
-    @torch.inference_mode()
-    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> ReferenceRun:
-        key = (tuple(prompt_ids), max_new_tokens)
-        if key not in self._cache:
-            out = self.model.generate(
-                **self._inputs(prompt_ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            tokens = out.sequences[0, len(prompt_ids) :].tolist()
-            self._cache[key] = ReferenceRun(tokens, [step[0].float() for step in out.logits])
-        return self._cache[key]
