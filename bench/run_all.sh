@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the benchmarks of ../shared/bench/WORKLOAD.md serially (nothing else should run meanwhile) and
 # writes bench/results/. Float32 (the default model dequantised: --quantization none) against transformers,
-# then the default model as shipped (4-bit). Takes about 15 minutes on a 2-core machine.
+# then the default model as shipped (4-bit). Takes about 20 minutes on a 2-core machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
@@ -14,9 +14,16 @@ heteroserve bench throughput --quantization none --scenario D --peer hf --hf-bat
     --output-json bench/results/scenario_d.json --plot bench/results/scenario_d.png
 heteroserve bench serve --quantization none --concurrency 16 --num-requests 16 --input-len 128 --output-len 64 \
     --output-json bench/results/scenario_c.json --plot bench/results/scenario_c.png
-heteroserve bench latency --output-json bench/results/scenario_a_q4.json
-heteroserve bench throughput --scenario B --output-json bench/results/scenario_b_q4.json
+# As shipped (4-bit), beside llama.cpp on the same Q4_1 file when llama-cpp-python is installed (the [llama-cpp]
+# extra; without it the peer is recorded as skipped).
+heteroserve bench latency --peer llama-cpp --output-json bench/results/scenario_a_q4.json
+heteroserve bench throughput --scenario B --peer llama-cpp --hf-requests 2 --output-json bench/results/scenario_b_q4.json
 heteroserve bench throughput --quantization none --kernels reference --scenario B \
     --output-json bench/results/scenario_b_reference_kernels.json
 heteroserve bench serve --quantization none --gateway --no-compare-offline --concurrency 16 --num-requests 16 \
     --input-len 128 --output-len 64 --ttft-requests 20 --output-json bench/results/gateway_overhead.json
+# Vision-language: the tests' tiny random Qwen2-VL, one 448x448 image, against transformers.
+VL_DIR=$(mktemp -d)
+python -c "import sys; from pathlib import Path; from tests.model.tiny_vl import save_tiny_vl; save_tiny_vl('qwen2_vl', Path(sys.argv[1]))" "$VL_DIR"
+heteroserve bench vision "$VL_DIR/qwen2_vl" --dtype float32 --max-model-len 512 --output-json bench/results/vision_qwen2_vl.json
+rm -rf "$VL_DIR"

@@ -150,6 +150,7 @@ def _throughput(args) -> None:
                 "output_tokens_per_s": tps,
                 "heteroserve_ratio": (run.output_tokens / run.wall_s) / tps,
                 "greedy_match_rate": match,
+                "weights": peer.weights,
             }
             note = f" (measured on {len(subset)} requests, scaled)" if scale != 1 else ""
             print(
@@ -180,6 +181,7 @@ def _latency(args) -> None:
         theirs = peer.single_stream(prompt, args.output_len, args.repeats)
         theirs["decode_ratio"] = ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
         theirs["prefill_ratio"] = theirs["prefill_ms"] / ours["prefill_ms"]
+        theirs["weights"] = peer.weights
         result["peers"][name] = theirs
         print(
             f"{name}: prefill {theirs['prefill_ms']:.1f} ms, decode {theirs['decode_tokens_per_s']:.1f} tok/s -> "

@@ -32,6 +32,7 @@ class HFPeer:
         else:
             model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=dtype)
         self.model = model.eval()
+        self.weights = f"dequantised to {str(dtype).removeprefix('torch.')}" if source.gguf_file else str(dtype)
         self.pad_id = 0
         self.generation_config = copy.deepcopy(model.generation_config)
         self.generation_config.eos_token_id = None  # EOS ignored: every request yields exactly max_tokens

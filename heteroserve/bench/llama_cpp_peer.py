@@ -33,6 +33,7 @@ class LlamaCppPeer:
 
         if source.gguf_file is None:
             raise SystemExit("--peer llama-cpp runs GGUF files: give a .gguf model")
+        self.weights = f"{source.gguf_file.name} as stored"  # llama.cpp runs the file's own types (Q4_1 here)
         self.model = Llama(
             model_path=str(source.gguf_file),
             n_ctx=context_len,
