@@ -3,9 +3,11 @@
 # torch goes first and pinned: an unpinned torch in a fresh venv pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Chromium for the chat page test (playwright drives it; without it that test is skipped).
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ ! -x /usr/bin/chromium ]; then
+# Chromium for the chat page test (playwright drives it), Prometheus for running the dashboard's queries and
+# promtool for compose's config (without them those tests are skipped).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && { [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/prometheus ]; }; then
     apt-get -qq update && DEBIAN_FRONTEND=noninteractive apt-get -qq install -y chromium >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get -qq install -y --no-install-recommends prometheus >/dev/null
 fi
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.entrypoints.server_process import ChildServer, free_port
 from tests.gateway.processes import GatewayProcess
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "heteroserve-dashboard.json"
@@ -85,3 +88,50 @@ def test_dashboard_covers_what_operators_watch():
     assert not missing, f"the dashboard has no panel for {missing}"
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
+
+
+def test_queries_run_in_a_real_prometheus(server, gateway, tmp_path):
+    """Prometheus scrapes the live server and gateway; every panel query parses and, but for counters that
+    only appear after an error or a retry, returns series."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus not installed (Debian: apt-get install prometheus; scripts/setup.sh does it)")
+    targets = [server.base_url.removeprefix("http://"), gateway.base_url.removeprefix("http://")]
+    config = {
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [{"job_name": "heteroserve", "static_configs": [{"targets": targets}]}],
+    }
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))
+    port = free_port()
+    command = [binary, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}"]
+    command += [f"--web.listen-address=127.0.0.1:{port}"]
+    prometheus = ChildServer(command, port, "prometheus", ready_path="/-/ready", startup_timeout=60)
+    api = f"{prometheus.base_url}/api/v1/query"
+    try:
+        _wait_for_scrapes(api, len(targets))
+        body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        for _ in range(3):
+            httpx.post(f"{gateway.base_url}/v1/chat/completions", json=body, timeout=120).raise_for_status()
+        time.sleep(3)  # scrapes after the traffic, so rates and histogram quantiles have data
+        dashboard = json.loads(DASHBOARD.read_text())
+        empty = []
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                expr = target["expr"].replace("$model_name", ".*")
+                answer = httpx.get(api, params={"query": expr}).json()
+                assert answer["status"] == "success", f"{panel['title']!r}: {expr}: {answer}"
+                if not answer["data"]["result"]:
+                    empty += re.findall(r"heteroserve:[a-z0-9_]+", expr)
+        assert set(empty) <= {"heteroserve:gateway_errors_total", "heteroserve:gateway_retries_total"}, empty
+    finally:
+        prometheus.stop()
+
+
+def _wait_for_scrapes(api: str, targets: int) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        result = httpx.get(api, params={"query": "up == 1"}).json()["data"]["result"]
+        if len(result) == targets:
+            return
+        time.sleep(0.5)
+    raise TimeoutError("Prometheus did not scrape both targets")
