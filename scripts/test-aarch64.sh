@@ -79,8 +79,13 @@ in_root python -c "import torch, platform; print('torch', torch.__version__, pla
 step "heteroserve env (ISA detection and the kernel each operator runs)"
 in_root heteroserve env
 
-step "pytest: core KV cache / scheduler tests"
-in_root sh -c "cd /opt/heteroserve && python -m pytest -q -p no:cacheprovider tests/core"
+step "torch's int4 CPU kernel: the start-up self-check decides whether 4-bit weights use it"
+in_root python -c "from heteroserve.platforms.cpu import _int4_kernel_works; print('int4 kernel usable:', \
+_int4_kernel_works())"
+
+step "pytest: core KV cache / scheduler tests, the CPU ISA report"
+in_root sh -c "cd /opt/heteroserve && python -m pytest -q -p no:cacheprovider tests/core \
+    tests/platforms/test_cpu_isa.py"
 
 step "pytest: greedy vs transformers on the default model ($PROMPTS prompts, $TOKENS tokens)"
 in_root sh -c "cd /opt/heteroserve && HETEROSERVE_GREEDY_PROMPTS=$PROMPTS HETEROSERVE_GREEDY_TOKENS=$TOKENS \

@@ -3,7 +3,8 @@ openai client, HEALTHCHECK turning healthy, a non-root user, a read-only root fi
 manifests run it), and SIGTERM (docker stop) draining to exit code 0.
 
 Slow and opt-in: python -m pytest -m slow tests/deploy/test_container_image.py (root, a Docker engine; the
-build takes minutes the first time). HETEROSERVE_IMAGE=NAME tests an image built already."""
+build takes minutes the first time). HETEROSERVE_IMAGE=NAME tests an image built already;
+HETEROSERVE_IMAGE_ARCH=arm64 builds and runs the arm64 image under qemu (docs/AARCH64.md)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.entrypoints.server_process import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[2]
+ARCH = os.environ.get("HETEROSERVE_IMAGE_ARCH", "amd64")
 
 
 def docker(*args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -39,14 +41,14 @@ def image() -> str:
         )
     name = os.environ.get("HETEROSERVE_IMAGE")
     if name is None:
-        subprocess.run(["bash", str(ROOT / "scripts" / "build-image.sh"), "amd64"], check=True, timeout=3600)
-        name = "heteroserve:0.1.0-amd64"
+        subprocess.run(["bash", str(ROOT / "scripts" / "build-image.sh"), ARCH], check=True, timeout=3600)
+        name = f"heteroserve:0.1.0-{ARCH}"
     return name
 
 
 def test_image_serves_the_default_model(image):
     port = free_port()
-    run = ["run", "-d", "-p", f"127.0.0.1:{port}:8000", "--read-only", "--tmpfs", "/tmp"]
+    run = ["run", "-d", "--platform", f"linux/{ARCH}", "-p", f"127.0.0.1:{port}:8000", "--read-only", "--tmpfs", "/tmp"]
     run += ["--health-interval", "2s", "--health-start-period", "300s", image]
     container = docker(*run).stdout.strip()
     try:
@@ -55,6 +57,7 @@ def test_image_serves_the_default_model(image):
         assert result.returncode == 0, result.stdout + result.stderr + docker("logs", container).stderr[-3000:]
         assert "The capital of France is Paris." in result.stdout
         assert docker("exec", container, "id", "-u").stdout.strip() == "10001"
+        assert docker("exec", container, "uname", "-m").stdout.strip() == {"amd64": "x86_64", "arm64": "aarch64"}[ARCH]
         deadline = time.monotonic() + 60
         while json.loads(docker("inspect", "--format", "{{json .State.Health.Status}}", container).stdout) != "healthy":
             assert time.monotonic() < deadline, "HEALTHCHECK never turned healthy"
