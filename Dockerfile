@@ -1,12 +1,12 @@
 # heteroserve's image: one file for linux/amd64 and linux/arm64; the default model is inside, so it runs offline.
-#   bash scripts/build-image.sh amd64          (no registry reachable: a debootstrap base, docker import)
+#   bash scripts/build-image.sh amd64          (no registry reachable: a debootstrap root as the base)
 #   docker buildx build --platform linux/amd64,linux/arm64 -t heteroserve:0.1.0 .   (x86 wheel in build/wheels)
 # Vendor builds (CUDA, ROCm/DTK, Ascend CANN + torch_npu, Cambricon) change BASE_IMAGE and the torch build
 # only: docs/DEPLOYMENT.md has the build arguments for each.
 ARG BASE_IMAGE=debian:bookworm-slim
 
 FROM ${BASE_IMAGE} AS base
-# An official Debian base lacks Python; the debootstrap root that scripts/build-image.sh imports has it.
+# An official Debian base lacks Python; the debootstrap root that scripts/build-image.sh makes has it.
 # hadolint ignore=DL3008
 RUN if ! python3 -c "import venv, ensurepip" 2>/dev/null; then \
         apt-get update && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds heteroserve's image where no image registry is reachable: the base is a Debian bookworm root made by
-# debootstrap and brought in with `docker import`; the x86 CPU torch wheel comes from pip's find-links.
+# debootstrap and brought in as a tarball on `FROM scratch`; the x86 CPU torch wheel comes from pip's find-links.
 #
 #   bash scripts/build-image.sh [amd64|arm64]      -> heteroserve:0.1.0-<arch> (and heteroserve:0.1.0 on amd64)
 #
@@ -18,14 +18,19 @@ DOCKER=${DOCKER:-docker}
 # A Docker CLI without the buildx plugin builds with BuildKit only through the engine's own builder.
 if ! $DOCKER buildx version >/dev/null 2>&1 && [ -x /usr/bin/docker ]; then DOCKER=/usr/bin/docker; fi
 
-if ! $DOCKER image inspect "$BASE" >/dev/null 2>&1; then
+# The base image: the root's tarball ADDed to `FROM scratch` built for the target platform (`docker import`
+# would record this host's architecture in Docker 20.10, and BuildKit then looks for an arm64 base in a registry).
+if [ "$($DOCKER image inspect --format '{{.Architecture}}' "$BASE" 2>/dev/null)" != "$ARCH" ]; then
     root=$(mktemp -d /var/tmp/heteroserve-base-XXXX)
+    context=$(mktemp -d /var/tmp/heteroserve-base-context-XXXX)
     echo "debootstrap --arch=$ARCH bookworm -> $root"
     nice -n 10 debootstrap --arch="$ARCH" --variant=minbase --include=python3,python3-venv,ca-certificates \
         bookworm "$root" "$MIRROR" >/dev/null
     rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
-    tar -C "$root" --numeric-owner -c . | $DOCKER import --platform "linux/$ARCH" - "$BASE"
-    rm -rf "$root"
+    tar -C "$root" --numeric-owner -cf "$context/rootfs.tar" .
+    printf 'FROM scratch\nADD rootfs.tar /\nCMD ["/bin/bash"]\n' >"$context/Dockerfile"
+    DOCKER_BUILDKIT=1 $DOCKER build --platform "linux/$ARCH" -t "$BASE" "$context"
+    rm -rf "$root" "$context"
 fi
 
 mkdir -p build/wheels
