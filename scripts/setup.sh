@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 # promtool for compose's config (without them those tests are skipped).
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && { [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/prometheus ]; }; then
     apt-get -qq update && DEBIAN_FRONTEND=noninteractive apt-get -qq install -y chromium >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get -qq install -y --no-install-recommends prometheus >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get -qq install -y --no-install-recommends prometheus >/dev/null \
+        || echo "prometheus not installed: the dashboard query and promtool tests will be skipped" >&2
 fi
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
