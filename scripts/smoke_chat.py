@@ -1,7 +1,7 @@
 """Smoke test of a deployment: /health, /health/ready, /metrics and one chat request through the openai client.
 
-Against a running server or gateway (`--base-url`, e.g. a container), or, with `--serve`, a `heteroserve serve` it starts
-on 127.0.0.1 and then stops with SIGTERM (which must drain and exit 0). Exits non-zero on any failure.
+Against a running server or gateway (`--base-url`, e.g. a container), or, with `--serve`, a `heteroserve serve`
+it starts on 127.0.0.1 and then stops with SIGTERM (which must drain and exit 0). Exits non-zero on any failure.
 Used by scripts/test-aarch64.sh and tests/deploy/test_container_image.py.
 """
 
