@@ -3,6 +3,11 @@
 A thread rather than a process: torch releases the GIL inside its kernels, so the event loop stays
 responsive while a step runs (see docs/ARCHITECTURE.md for the measurement), and one process keeps a
 single copy of the weights. The loop steps while there is work and sleeps on an event when idle.
+
+`from_config` builds the engine inside that thread too, so one thread alone ever runs torch's parallel
+regions: every other thread that does (loading the model on the main thread did) gets an OpenMP team of its
+own, and once libgomp manages more threads than there are cores its workers stop spinning between regions
+and sleep, which cost a 128-token prefill ~35 ms of wake-ups (bench/README.md).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from heteroserve.config import EngineConfig
@@ -42,20 +47,28 @@ class _Abort:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    engine: LLMEngine
+
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
+        """`engine`, or a function that builds it (called in the engine thread, before it returns here)."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self.dead_error: BaseException | None = None
         self.num_steps = 0
-        self._thread = threading.Thread(target=self._run, name="heteroserve-engine", daemon=True)
+        build = engine if callable(engine) else lambda: engine
+        built: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._build_and_run, args=(build, built), daemon=True)
+        self._thread.name = "heteroserve-engine"
         self._thread.start()
+        outcome = built.get()  # the engine thread has set self.engine, or failed to build it
+        if isinstance(outcome, BaseException):
+            raise outcome
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
-        return cls(LLMEngine(config))
+        return cls(lambda: LLMEngine(config))
 
     @property
     def is_alive(self) -> bool:
@@ -102,6 +115,15 @@ class AsyncLLMEngine:
     def _send(self, message: _Add | _Abort) -> None:
         self._inbox.put(message)
         self._wake.set()
+
+    def _build_and_run(self, build: Callable[[], LLMEngine], built: queue.SimpleQueue) -> None:
+        try:
+            self.engine = build()
+        except BaseException as exc:  # noqa: BLE001 - handed to the constructor, which raises it
+            built.put(exc)
+            return
+        built.put(self.engine)
+        self._run()
 
     def _run(self) -> None:
         try:
