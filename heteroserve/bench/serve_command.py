@@ -20,6 +20,9 @@ from heteroserve.model.loader.source import resolve_model
 from heteroserve.platforms import resolve_platform
 
 TTFT_OUTPUT_LEN = 8
+# A pause before each measured request: OpenMP workers spin for a few ms after a process's last parallel region,
+# and that spinning would otherwise steal a core from the start of the other side's prefill.
+SETTLE_S = 0.05
 
 
 def server_flags(args: argparse.Namespace) -> list[str]:
@@ -58,6 +61,7 @@ async def paired_ttft(
         await stream_request(client, url, model, prompts[0], 1, api_key)  # opens the kept-alive connection
         for i, prompt in enumerate(prompts):
             for side in ("server", "offline") if i % 2 == 0 else ("offline", "server"):
+                await asyncio.sleep(SETTLE_S)
                 if side == "server":
                     timing = await stream_request(client, url, model, prompt, TTFT_OUTPUT_LEN, api_key)
                     if timing.error is not None:
