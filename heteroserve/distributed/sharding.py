@@ -3,8 +3,10 @@
 Tensor parallelism (Megatron's layout): q/k/v and gate/up are column-parallel (each rank owns whole heads
 and a slice of the MLP's intermediate rows), o and down are row-parallel (the matching input columns; the
 partial outputs are summed by an all-reduce), the embedding and LM head own a slice of the vocabulary.
-KV heads are split like query heads; with fewer KV heads than ranks each rank keeps a copy of the one its
-query heads read. 4-bit weights are sliced in their packed form: rows freely, columns at group borders.
+KV heads are split like query heads, each with the query heads that read it, as evenly as they go (9 query and
+3 KV heads over 2 ranks: 3 + 6 and 1 + 2); with fewer KV heads than ranks each rank keeps a copy of the one its
+query heads read. MLP rows and vocabulary rows are split as evenly as they go. 4-bit weights are sliced in their
+packed form: rows freely, columns at group borders.
 Pipeline parallelism keeps the layers of the rank's stage, renumbered from 0.
 """
 
@@ -35,6 +37,8 @@ class ModelShard:
     vocab_start: int
     layer_start: int
     kv_head_start: int
+    head_start: int = 0
+    mlp_start: int = 0
 
     @classmethod
     def whole(cls, arch: ModelArch) -> ModelShard:
@@ -46,19 +50,23 @@ class ModelShard:
         check_tensor_parallel(arch, tp)
         first, last = layer_range(arch.num_layers, groups.pp_rank, groups.pp_size)
         vocab_start, vocab_end = vocab_range(arch.vocab_size, r, tp)
-        if arch.num_kv_heads >= tp:
-            kv_heads, kv_start = arch.num_kv_heads // tp, r * arch.num_kv_heads // tp
+        if arch.num_kv_heads >= tp:  # whole KV groups: a KV head and the query heads that read it
+            kv_start, kv_end = _even_split(arch.num_kv_heads, r, tp)
+            group = arch.num_heads // arch.num_kv_heads
+            q_start, q_heads, kv_heads = kv_start * group, (kv_end - kv_start) * group, kv_end - kv_start
         else:  # replicated: the KV head of this rank's query heads
+            q_heads, q_start = arch.num_heads // tp, r * (arch.num_heads // tp)
             kv_heads, kv_start = 1, r * arch.num_kv_heads // tp
+        mlp_start, mlp_end = _even_split(arch.intermediate_size, r, tp)
         local = dataclasses.replace(
             arch,
-            num_heads=arch.num_heads // tp,
+            num_heads=q_heads,
             num_kv_heads=kv_heads,
-            intermediate_size=arch.intermediate_size // tp,
+            intermediate_size=mlp_end - mlp_start,
             num_layers=last - first,
             vocab_size=vocab_end - vocab_start,
         )
-        return cls(groups, arch, local, vocab_start, first, kv_start)
+        return cls(groups, arch, local, vocab_start, first, kv_start, q_start, mlp_start)
 
     def take(self, tensors: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
         """The checkpoint's tensors as this rank holds them (others skipped), under local layer numbers."""
@@ -75,10 +83,9 @@ class ModelShard:
         if self.groups.tp_size == 1:
             return tensor
         a, d = self.arch, self.full_arch.head_dim
-        r = self.groups.tp_rank
-        q = (r * a.num_heads * d, (r + 1) * a.num_heads * d)
+        q = (self.head_start * d, (self.head_start + a.num_heads) * d)
         kv = (self.kv_head_start * d, (self.kv_head_start + a.num_kv_heads) * d)
-        mlp = (r * a.intermediate_size, (r + 1) * a.intermediate_size)
+        mlp = (self.mlp_start, self.mlp_start + a.intermediate_size)
         vocab = (self.vocab_start, self.vocab_start + a.vocab_size)
         rows = {
             "q_proj": q,
@@ -100,26 +107,30 @@ class ModelShard:
 
 
 def check_tensor_parallel(arch: ModelArch, tp: int) -> None:
-    """A clear error when the model's heads or MLP rows cannot be split over `tp` ranks."""
-    if tp == 1:
-        return
+    """A clear error when the model's heads cannot be split over `tp` ranks: up to one rank per KV head, whole
+    KV groups per rank; beyond that, the query heads must divide evenly and each rank's fall in one KV group."""
+    problem = _split_problem(arch, tp)
+    if problem:
+        sizes = [n for n in range(1, arch.num_heads + 1) if not _split_problem(arch, n)]
+        raise ValueError(f"{problem} (sizes that work for this model: {sizes})")
+
+
+def _split_problem(arch: ModelArch, tp: int) -> str | None:
+    if tp <= arch.num_kv_heads:
+        return None
     problems = []
     if arch.num_heads % tp:
         problems.append(f"num_attention_heads={arch.num_heads} is not divisible by tensor_parallel_size={tp}")
-    if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
+    if tp % arch.num_kv_heads:
         problems.append(
-            f"num_key_value_heads={arch.num_kv_heads} neither divides nor is divisible by tensor_parallel_size={tp}"
+            f"tensor_parallel_size={tp} is above num_key_value_heads={arch.num_kv_heads} and not a multiple of it"
         )
-    if arch.intermediate_size % tp:
-        problems.append(f"intermediate_size={arch.intermediate_size} is not divisible by tensor_parallel_size={tp}")
-    if problems:
-        sizes = [n for n in range(1, arch.num_heads + 1) if not _split_problem(arch, n)]
-        raise ValueError("; ".join(problems) + f" (sizes that work for this model: {sizes})")
+    return "; ".join(problems) or None
 
 
-def _split_problem(arch: ModelArch, tp: int) -> bool:
-    kv_ok = arch.num_kv_heads % tp == 0 or tp % arch.num_kv_heads == 0
-    return bool(arch.num_heads % tp or arch.intermediate_size % tp or not kv_ok)
+def _even_split(total: int, rank: int, ranks: int) -> tuple[int, int]:
+    """[start, end) of rank's share when `total` items are split over `ranks` as evenly as they go."""
+    return rank * total // ranks, (rank + 1) * total // ranks
 
 
 def slice_rows(tensor, start: int, end: int):
