@@ -90,10 +90,12 @@ def run_serve_bench(args: argparse.Namespace) -> None:
     compare = own if args.compare_offline is None else args.compare_offline
     tokenizer = load_tokenizer(resolve_model(args.model))
     vocab = len(tokenizer) if tokenizer is not None else 0
-    requests = dataset(tokenizer, vocab, args, "C", args.num_requests)
-    # Concurrency-1 requests use prompts of their own, so neither side finds them in its prefix cache.
-    single = [p for p, _ in dataset(tokenizer, vocab, args, "C", args.num_requests + args.ttft_requests)]
-    single = single[args.num_requests :]
+    # Concurrency-1 requests (and the paired offline comparison) use prompts of their own, so no side finds
+    # them in its prefix cache.
+    every = dataset(tokenizer, vocab, args, "C", args.num_requests + 2 * args.ttft_requests)
+    requests = every[: args.num_requests]
+    single = [p for p, _ in every[args.num_requests : args.num_requests + args.ttft_requests]]
+    fresh_prompts = [p for p, _ in every[args.num_requests + args.ttft_requests :]]
     server = OwnServer(args.model, server_flags(args)) if own else None
     url = server.url if own else args.base_url.rstrip("/")
     try:
@@ -129,8 +131,6 @@ def run_serve_bench(args: argparse.Namespace) -> None:
         if compare:  # the server idles meanwhile
             engine = build_engine(args)
             batch = run_batch(engine, requests)
-            fresh = dataset(tokenizer, vocab, args, "C", args.num_requests + 2 * args.ttft_requests)
-            fresh_prompts = [p for p, _ in fresh[args.num_requests + args.ttft_requests :]]
             pairs = asyncio.run(paired_ttft(url, args.served_model, args.api_key, engine, fresh_prompts))
             offline = {"output_tokens_per_s": batch.output_tokens / batch.wall_s, "paired_ttft": pairs}
     finally:

@@ -59,12 +59,13 @@ class AsyncLLMEngine:
         self.num_steps = 0
         build = engine if callable(engine) else lambda: engine
         built: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._build_and_run, args=(build, built), daemon=True)
-        self._thread.name = "heteroserve-engine"
+        self._thread = threading.Thread(
+            target=self._build_and_run, args=(build, built), name="heteroserve-engine", daemon=True
+        )
         self._thread.start()
-        outcome = built.get()  # the engine thread has set self.engine, or failed to build it
-        if isinstance(outcome, BaseException):
-            raise outcome
+        failure = built.get()  # None once the engine thread has set self.engine
+        if failure is not None:
+            raise failure
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
@@ -122,7 +123,7 @@ class AsyncLLMEngine:
         except BaseException as exc:  # noqa: BLE001 - handed to the constructor, which raises it
             built.put(exc)
             return
-        built.put(self.engine)
+        built.put(None)
         self._run()
 
     def _run(self) -> None:
