@@ -8,6 +8,8 @@ Every operator (projections, norms, rotary, activation, attention) comes from th
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +22,27 @@ from heteroserve.model.layers.attention import AttentionMetadata, paged_attentio
 from heteroserve.model.layers.norm import RMSNorm
 from heteroserve.model.layers.rotary import rotary_embedding
 from heteroserve.platforms.operators import OperatorTable
+
+
+def _tensors_of(weight) -> list[torch.Tensor]:
+    """The tensors inside a compressed weight object (a dataclass of tensors, possibly nested)."""
+    found = []
+    for field in dataclasses.fields(weight):
+        value = getattr(weight, field.name)
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif dataclasses.is_dataclass(value):
+            found += _tensors_of(value)
+    return found
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    """(key, bytes) of the memory holding `tensor`; oneDNN's packed tensors expose no storage."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return id(tensor), tensor.numel() * tensor.element_size()
 
 
 def _weight(rows: int, cols: int) -> nn.Parameter:
@@ -123,13 +146,13 @@ class DecoderModel(nn.Module):
             setattr(owner, name, prepared)
 
     def weight_bytes(self) -> int:
-        """Bytes of all weights as stored (compressed ones at their compressed size)."""
-        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes of all weights as stored (compressed ones at their compressed size), each storage counted
+        once: a tied LM head may read the embedding's own tensors."""
+        tensors = list(self.parameters())
         for module in self.modules():
-            for value in vars(module).values():
-                if hasattr(value, "nbytes") and not isinstance(value, torch.Tensor):
-                    total += value.nbytes
-        return total
+            compressed = [v for v in vars(module).values() if hasattr(v, "nbytes") and not isinstance(v, torch.Tensor)]
+            tensors += [t for value in compressed for t in _tensors_of(value)]
+        return sum(dict(_storage(t) for t in tensors).values())
 
     def forward(
         self,

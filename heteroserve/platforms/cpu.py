@@ -11,7 +11,7 @@ import torch
 
 from heteroserve.config import DEFAULT_CPU_KV_CACHE_BYTES
 from heteroserve.platforms.cpu_int4 import CpuInt4Weight
-from heteroserve.platforms.cpu_int8 import CpuInt8Weight
+from heteroserve.platforms.cpu_int8 import CpuChunkedInt8Weight, CpuInt8Weight
 from heteroserve.platforms.interface import Platform
 from heteroserve.platforms.operators import LinearOp
 from heteroserve.quantization.act_order import PermutedInput
@@ -134,8 +134,11 @@ class OneDnnLinear(LinearOp):
         return isinstance(weight, Int8Weight) and not (self.int8_kernel and CpuInt8Weight.supports(weight))
 
     def prepare_lm_head(self, weight):
-        # An 8-bit LM head (a tied Q8_0 embedding) runs in float32: in bfloat16 the default model's
-        # answer to "What is the capital of France?" turned into "L'Étoile, la Marseillaise, ...".
+        # An 8-bit LM head (a tied Q8_0 embedding) keeps its 8-bit form and multiplies in float32: with
+        # activations in bfloat16 the default model's answer to "What is the capital of France?" turned into
+        # "L'Étoile, la Marseillaise, ...".
+        if isinstance(weight, Int8Weight) and self.dtype == torch.float32:
+            return CpuChunkedInt8Weight(weight)
         if isinstance(weight, Int8Weight):
             weight = weight.dequantize()
         return self.prepare(weight)
@@ -143,7 +146,7 @@ class OneDnnLinear(LinearOp):
     def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, PermutedInput):
             return self(weight.gather(x), weight.weight, bias)
-        if isinstance(weight, (CpuInt4Weight, CpuInt8Weight)):
+        if isinstance(weight, (CpuInt4Weight, CpuInt8Weight, CpuChunkedInt8Weight)):
             return weight.matmul(x, bias)
         if isinstance(weight, (Int4Weight, Int8Weight)):
             return super().__call__(x, weight, bias)

@@ -44,14 +44,17 @@ def test_quantized_argmax_agrees_under_teacher_forcing(default_llm, default_toke
         nll["float32"] += ref_nll[: PROMPT_LEN - 1]  # perplexity on the workload text itself
         nll["q4_1"] += our_nll[: PROMPT_LEN - 1]
     rate = agree / total
+    memory = quantized.engine.weight_bytes / default_llm.engine.weight_bytes
     perplexity = {name: math.exp(sum(v) / len(v)) for name, v in nll.items()}
     with capsys.disabled():
         print(
             f"\n4-bit vs float32 under teacher forcing: argmax agrees on {rate:.1%} of {total} positions; "
-            f"perplexity on the workload text: float32 {perplexity['float32']:.3f}, q4_1 {perplexity['q4_1']:.3f}"
+            f"perplexity on the workload text: float32 {perplexity['float32']:.3f}, q4_1 {perplexity['q4_1']:.3f}; "
+            f"weight memory {quantized.engine.weight_bytes / 2**20:.1f} MiB = {memory:.1%} of float32"
         )
     assert rate >= 0.95
     assert perplexity["q4_1"] < 1.2 * perplexity["float32"]
+    assert memory <= 0.30  # issue 6: 4-bit layers, 8-bit embedding read in place by the tied LM head
 
 
 def test_shipped_model_answers_the_demo_question():
