@@ -73,6 +73,13 @@ def add_bench_parser(commands) -> None:
                 default=20,
                 help="requests at concurrency 1 for the server-vs-offline TTFT comparison",
             )
+            sub.add_argument(
+                "--ttft-rounds",
+                type=int,
+                default=1,
+                help="split that comparison over this many fresh server and offline-engine processes (our own "
+                "server only): the same prefill runs up to ~13 ms faster or slower from one process to the next",
+            )
 
 
 def _peers(engine: LLMEngine, args, result: dict):

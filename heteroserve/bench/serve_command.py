@@ -69,12 +69,25 @@ async def paired_ttft(
                     server_s.append(timing.ttft_s)
                 else:
                     offline_s.append(time_to_first_token(engine, f"ttft-{i}", prompt, TTFT_OUTPUT_LEN))
+    return {"server_ttft_s": server_s, "offline_ttft_s": offline_s}
+
+
+def pooled_pairs(rounds: list[dict[str, list[float]]]) -> dict[str, object]:
+    """The median over every pair of every round, and each round's own median difference."""
+    server_s = [t for r in rounds for t in r["server_ttft_s"]]
+    offline_s = [t for r in rounds for t in r["offline_ttft_s"]]
     differences_ms = [1000 * (s - o) for s, o in zip(server_s, offline_s, strict=True)]
+    per_round = [
+        statistics.median(1000 * (s - o) for s, o in zip(r["server_ttft_s"], r["offline_ttft_s"], strict=True))
+        for r in rounds
+    ]
     return {
-        "pairs": len(prompts),
+        "pairs": len(differences_ms),
+        "rounds": len(rounds),
         "server_ttft_p50_ms": 1000 * statistics.median(server_s),
         "offline_ttft_p50_ms": 1000 * statistics.median(offline_s),
         "overhead_p50_ms": statistics.median(differences_ms),
+        "overhead_p50_ms_per_round": per_round,
         "overhead_samples_ms": differences_ms,
     }
 
@@ -88,6 +101,10 @@ def run_serve_bench(args: argparse.Namespace) -> None:
         args.enable_prefix_caching = False  # the same prompts run twice; cache hits would favour the second run
     own = args.base_url is None
     compare = own if args.compare_offline is None else args.compare_offline
+    if not 1 <= args.ttft_rounds <= args.ttft_requests:
+        raise SystemExit(f"--ttft-rounds must be between 1 and --ttft-requests ({args.ttft_requests})")
+    if args.ttft_rounds > 1 and not own:
+        raise SystemExit("--ttft-rounds above 1 restarts the server: drop --base-url")
     tokenizer = load_tokenizer(resolve_model(args.model))
     vocab = len(tokenizer) if tokenizer is not None else 0
     # Concurrency-1 requests (and the paired offline comparison) use prompts of their own, so no side finds
@@ -131,8 +148,18 @@ def run_serve_bench(args: argparse.Namespace) -> None:
         if compare:  # the server idles meanwhile
             engine = build_engine(args)
             batch = run_batch(engine, requests)
-            pairs = asyncio.run(paired_ttft(url, args.served_model, args.api_key, engine, fresh_prompts))
-            offline = {"output_tokens_per_s": batch.output_tokens / batch.wall_s, "paired_ttft": pairs}
+            rounds = []
+            size = len(fresh_prompts) // args.ttft_rounds
+            for r in range(args.ttft_rounds):
+                if r:  # a fresh server and a fresh offline engine: each process lays out its memory anew
+                    server.stop()
+                    server = OwnServer(args.model, server_flags(args))
+                    url = server.url
+                    engine = build_engine(args)
+                    time_to_first_token(engine, "warm-up", requests[0][0], 1)
+                chunk = fresh_prompts[r * size : (r + 1) * size]
+                rounds.append(asyncio.run(paired_ttft(url, args.served_model, args.api_key, engine, chunk)))
+            offline = {"output_tokens_per_s": batch.output_tokens / batch.wall_s, "paired_ttft": pooled_pairs(rounds)}
     finally:
         if server:
             server.stop()
@@ -188,4 +215,9 @@ def _report_offline(result: dict, serving: dict, offline: dict) -> None:
         f"{result['server_vs_offline_throughput']:.0%}; TTFT at concurrency 1 over {pairs['pairs']} paired fresh "
         f"prompts: server p50 {pairs['server_ttft_p50_ms']:.1f} ms, offline {pairs['offline_ttft_p50_ms']:.1f} ms, "
         f"median difference +{pairs['overhead_p50_ms']:.1f} ms"
+        + (
+            f" (rounds: {', '.join(f'{d:+.1f}' for d in pairs['overhead_p50_ms_per_round'])})"
+            if pairs["rounds"] > 1
+            else ""
+        )
     )

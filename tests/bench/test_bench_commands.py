@@ -160,6 +160,8 @@ def test_serve_against_a_running_server(server, tmp_path):
         (["throughput", "--peer", "nope", *SMALL], "unknown peer"),
         (["serve", "--base-url", "http://127.0.0.1:9", "--num-requests", "1", "--input-len", "8"], "cannot reach"),
         (["throughput", "--dataset", "/no/such/file.jsonl", "--input-len", "16", *SMALL], "neither workload"),
+        (["serve", "--base-url", "http://127.0.0.1:9", "--ttft-rounds", "2"], "restarts the server"),
+        (["serve", "--ttft-requests", "2", "--ttft-rounds", "3"], "between 1 and --ttft-requests"),
     ],
 )
 def test_bad_arguments(args, message):
@@ -169,7 +171,8 @@ def test_bad_arguments(args, message):
 
 
 def test_serve_directly_and_through_the_gateway(tmp_path):
-    """Our own server, then the same server behind `heteroserve gateway`, in one run."""
+    """Our own server, then the same server behind `heteroserve gateway`, in one run; then the TTFT comparison
+    with the offline engine over two rounds of fresh processes."""
     out = tmp_path / "g.json"
     bench(
         "serve",
@@ -184,12 +187,16 @@ def test_serve_directly_and_through_the_gateway(tmp_path):
         "4",
         "--ttft-requests",
         "2",
-        "--no-compare-offline",
+        "--ttft-rounds",
+        "2",
         "--output-json",
         str(out),
         *SMALL,
     )
     result = json.loads(out.read_text())
+    pairs = result["offline"]["paired_ttft"]  # one pair against each of two fresh servers and offline engines
+    assert pairs["rounds"] == 2 and pairs["pairs"] == 2
+    assert sorted(pairs["overhead_p50_ms_per_round"]) == pytest.approx(sorted(pairs["overhead_samples_ms"]))
     direct, gateway = result["heteroserve"], result["via_gateway"]
     for run in (direct, gateway):
         assert run["errors"] == [] and run["output_tokens"] == 3 * 4
