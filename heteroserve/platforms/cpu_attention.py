@@ -22,6 +22,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+# -fopenmp: at::parallel_for's OpenMP region (it links to the libgomp torch has loaded, one thread team);
+# reassociation lets dot products and sums vectorise as trees (a serial lane-by-lane sum made the kernel 2x slower).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -78,7 +80,7 @@ def paged_decode_attention() -> PagedDecodeAttention | None:
             name=directory.name,
             sources=[str(SOURCE)],
             extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch has loaded: one OpenMP thread team
+            extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
             is_python_module=False,
         )

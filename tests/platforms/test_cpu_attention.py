@@ -65,6 +65,14 @@ def test_sliding_window_reads_only_the_window(kernel):
     torch.testing.assert_close(kernel(*args), reference_ops.decode_attention(*args), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("sharpness", [0.0, 8.0, 60.0])  # uniform, peaked, nearly one-hot softmax
+def test_softmax_over_a_wide_range_of_scores(kernel, sharpness):
+    q, k_cache, v_cache, tables, mask, scale = paged_batch(EDGE_LENGTHS, 9, 3, 64)
+    out = kernel(q * sharpness, k_cache, v_cache, tables, mask, scale)
+    expected = reference_ops.decode_attention(q * sharpness, k_cache, v_cache, tables, mask, scale)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_masked_tokens_are_never_read(kernel):
     """Table entries past a request's context may point anywhere; NaN there must not reach the output."""
     q, k_cache, v_cache, tables, mask, scale = paged_batch([3, 40], 9, 3, 64)

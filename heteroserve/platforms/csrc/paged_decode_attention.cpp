@@ -15,6 +15,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -25,14 +27,37 @@ struct Shape {
   int64_t heads_per_item;  // KV heads one work item covers: all of them reads each block front to back
 };
 
-// Rows sit wherever their block is, so the hardware prefetcher cannot guess the next one; ask for it early.
+// Blocks sit anywhere, so the hardware prefetcher cannot guess where the next rows are: ask for them a few
+// tokens early (measured: every row beats only the first row of each block).
 constexpr int64_t kPrefetchAhead = 8;
 
 template <typename scalar_t>
-inline void prefetch_row(const scalar_t* row, int64_t count) {
+inline void prefetch(const scalar_t* row, int64_t count) {
   const char* bytes = reinterpret_cast<const char*>(row);
   const int64_t size = count * static_cast<int64_t>(sizeof(scalar_t));
   for (int64_t offset = 0; offset < size; offset += 64) __builtin_prefetch(bytes + offset);
+}
+
+// exp(x) for x <= 0 (a score minus the row's maximum), written so the compiler vectorises the softmax loop
+// (std::exp is a scalar call): x = k ln2 + r with |r| <= ln2/2, exp(r) by its degree-7 Taylor polynomial
+// (relative error < 1e-8 before rounding), times 2^k built in the exponent bits. Below -87, 2^k would be
+// subnormal and the result is flushed to 0: such a weight is below 1e-38 of the largest one.
+inline float exp_nonpositive(float x) {
+  if (x < -87.f) x = -87.f;
+  const float k = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187e-06f;  // ln2 split for exact k ln2
+  float p = 1.f / 5040;
+  p = p * r + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
 }
 
 // Buffers reused across the work items of one thread.
@@ -67,14 +92,16 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
   std::vector<float>& max_score = ws.max_score;
   for (int64_t i = 0; i < n; ++i) {
     const scalar_t* k_row = k_cache + cache_rows[i] * D;
-    if (i + kPrefetchAhead < n) prefetch_row(k_cache + cache_rows[i + kPrefetchAhead] * D, s.heads_per_item * D);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qf + g * D;
-      const scalar_t* k = k_row + g / s.group * D;
-      float dot = 0.f;
-      for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
-      scores[g * L + i] = dot;
-      max_score[g] = std::max(max_score[g], dot);
+    if (i + kPrefetchAhead < n) prefetch(k_cache + cache_rows[i + kPrefetchAhead] * D, s.heads_per_item * D);
+    for (int64_t h = 0; h < s.heads_per_item; ++h) {
+      const scalar_t* k = k_row + h * D;
+      for (int64_t g = h * s.group; g < (h + 1) * s.group; ++g) {
+        const float* qg = qf + g * D;
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
+        scores[g * L + i] = dot;
+        max_score[g] = std::max(max_score[g], dot);
+      }
     }
   }
   std::vector<float>& inv_sum = ws.inv_sum;
@@ -82,7 +109,7 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
     float* sg = scores + g * L;
     float sum = 0.f;
     for (int64_t i = 0; i < n; ++i) {
-      sg[i] = std::exp(sg[i] - max_score[g]);
+      sg[i] = exp_nonpositive(sg[i] - max_score[g]);
       sum += sg[i];
     }
     inv_sum[g] = n > 0 ? 1.f / sum : 0.f;
@@ -90,12 +117,14 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
 
   for (int64_t i = 0; i < n; ++i) {
     const scalar_t* v_row = v_cache + cache_rows[i] * D;
-    if (i + kPrefetchAhead < n) prefetch_row(v_cache + cache_rows[i + kPrefetchAhead] * D, s.heads_per_item * D);
-    for (int64_t g = 0; g < G; ++g) {
-      const scalar_t* v = v_row + g / s.group * D;
-      const float p = scores[g * L + i];
-      float* ag = acc + g * D;
-      for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(v[d]);
+    if (i + kPrefetchAhead < n) prefetch(v_cache + cache_rows[i + kPrefetchAhead] * D, s.heads_per_item * D);
+    for (int64_t h = 0; h < s.heads_per_item; ++h) {
+      const scalar_t* v = v_row + h * D;
+      for (int64_t g = h * s.group; g < (h + 1) * s.group; ++g) {
+        const float p = scores[g * L + i];
+        float* ag = acc + g * D;
+        for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(v[d]);
+      }
     }
   }
   for (int64_t g = 0; g < G; ++g) {
