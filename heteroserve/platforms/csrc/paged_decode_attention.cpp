@@ -80,10 +80,11 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
   float* scores = ws.scores.data();
   std::vector<int64_t>& cache_rows = ws.cache_rows;
   cache_rows.clear();
-  for (int64_t t = 0; t < L; ++t) {
-    if (mask[t]) {
-      const int64_t slot = block_table[t / s.block_size] * s.block_size + t % s.block_size;
-      cache_rows.push_back(slot * s.num_kv_heads + first_kv_head);
+  for (int64_t j = 0; j < L / s.block_size; ++j) {
+    for (int64_t offset = 0; offset < s.block_size; ++offset) {
+      if (mask[j * s.block_size + offset]) {
+        cache_rows.push_back((block_table[j] * s.block_size + offset) * s.num_kv_heads + first_kv_head);
+      }
     }
   }
   const int64_t n = static_cast<int64_t>(cache_rows.size());
