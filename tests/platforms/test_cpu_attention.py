@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -125,3 +127,20 @@ def test_other_dtypes_say_not_implemented(kernel):
     args = paged_batch([20], 9, 3, 64, dtype=torch.float64)
     with pytest.raises(NotImplementedError, match="float32, bfloat16 and float16"):
         kernel(*args)
+
+
+def test_a_failed_build_warns_once_and_keeps_the_reference(monkeypatch, tmp_path, caplog):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_attention, "SOURCE", broken)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    cpu_attention.paged_decode_attention.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="heteroserve.platforms.cpu_attention"):
+            table = CpuPlatform().operator_table(torch.float32)
+            CpuPlatform().operator_table(torch.float32)
+        assert table.describe()["decode_attention"] == "torch reference"
+        messages = [r.getMessage() for r in caplog.records]
+        assert len(messages) == 1 and messages[0].startswith("the CPU paged decode attention kernel could not be built")
+    finally:
+        cpu_attention.paged_decode_attention.cache_clear()
