@@ -10,10 +10,11 @@ import platform as pyplatform
 import torch
 
 from heteroserve.config import DEFAULT_CPU_KV_CACHE_BYTES
+from heteroserve.platforms import cpu_attention
 from heteroserve.platforms.cpu_int4 import CpuInt4Weight
 from heteroserve.platforms.cpu_int8 import CpuChunkedInt8Weight, CpuInt8Weight
 from heteroserve.platforms.interface import Platform
-from heteroserve.platforms.operators import LinearOp
+from heteroserve.platforms.operators import Kernel, LinearOp
 from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.int4 import Int4Weight
 from heteroserve.quantization.int8 import Int8Weight
@@ -220,6 +221,15 @@ class CpuPlatform(Platform):
         if kernels == "auto" and dtype in (torch.float32, torch.bfloat16) and _onednn_works(dtype):
             return OneDnnLinear(dtype, int4_kernel=_int4_kernel_works(), int8_kernel=_int8_kernel_works())
         return LinearOp()
+
+    def operator_kernels(self, dtype: torch.dtype, kernels: str = "auto") -> dict[str, Kernel]:
+        """The reference, with decode attention replaced by the C++ kernel (built on first use) where it builds."""
+        table = super().operator_kernels(dtype, kernels)
+        if kernels == "auto" and "decode_attention" in table and dtype in cpu_attention.DTYPES:
+            kernel = cpu_attention.paged_decode_attention()
+            if kernel is not None:
+                table["decode_attention"] = kernel
+        return table
 
     def kv_cache_budget_bytes(self, requested: int | None, memory_utilization: float | None = None) -> int:
         """Host memory is shared with everything else on the machine, so the CPU budget is a fixed size

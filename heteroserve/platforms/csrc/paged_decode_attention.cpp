@@ -1,0 +1,198 @@
+// Decode attention that reads the paged KV cache in place: one query token per request, no gathered copy.
+//
+// Work item = a request's KV heads: all of them when the batch has enough requests to keep every thread busy
+// (each block is then read front to back, which the memory system streams best), else one (request, KV head).
+// Each K row is loaded once and dotted with every query head of its group (GQA); softmax is two-pass in
+// float32 (scores kept per item); then each V row is loaded once and added to every head's float32
+// accumulator. Tokens whose mask entry is false (past the context, outside a sliding window) are never read,
+// so padding in the block table costs nothing.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+struct Shape {
+  int64_t max_tokens, block_size, num_kv_heads, group, head_dim;
+  int64_t heads_per_item;  // KV heads one work item covers: all of them reads each block front to back
+};
+
+// Blocks sit anywhere, so the hardware prefetcher cannot guess where the next rows are: ask for them a few
+// tokens early (measured: every row beats only the first row of each block).
+constexpr int64_t kPrefetchAhead = 8;
+
+template <typename scalar_t>
+inline void prefetch(const scalar_t* row, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  const int64_t size = count * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t offset = 0; offset < size; offset += 64) __builtin_prefetch(bytes + offset);
+}
+
+// exp(x) for x <= 0 (a score minus the row's maximum), written so the compiler vectorises the softmax loop
+// (std::exp is a scalar call): x = k ln2 + r with |r| <= ln2/2, exp(r) by its degree-7 Taylor polynomial
+// (relative error < 1e-8 before rounding), times 2^k built in the exponent bits. Below -87, 2^k would be
+// subnormal and the result is flushed to 0: such a weight is below 1e-38 of the largest one.
+inline float exp_nonpositive(float x) {
+  if (x < -87.f) x = -87.f;
+  const float k = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187e-06f;  // ln2 split for exact k ln2
+  float p = 1.f / 5040;
+  p = p * r + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Buffers reused across the work items of one thread.
+struct Workspace {
+  std::vector<float> query, acc, scores, max_score, inv_sum;  // [G, D], [G, D], [G, L], [G], [G]
+  std::vector<int64_t> cache_rows;                            // cache row of each attended token
+};
+
+template <typename scalar_t>
+void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_table,
+            const bool* mask, int64_t first_kv_head, const Shape& s, float scale, Workspace& ws, scalar_t* out) {
+  const int64_t G = s.group * s.heads_per_item, D = s.head_dim, L = s.max_tokens;  // G: query heads of the item
+  ws.query.resize(G * D);
+  ws.acc.assign(G * D, 0.f);
+  ws.scores.resize(G * L);
+  ws.max_score.assign(G, -std::numeric_limits<float>::infinity());
+  ws.inv_sum.resize(G);
+  float* qf = ws.query.data();
+  float* acc = ws.acc.data();
+  float* scores = ws.scores.data();
+  std::vector<int64_t>& cache_rows = ws.cache_rows;
+  cache_rows.clear();
+  for (int64_t j = 0; j < L / s.block_size; ++j) {
+    for (int64_t offset = 0; offset < s.block_size; ++offset) {
+      if (mask[j * s.block_size + offset]) {
+        cache_rows.push_back((block_table[j] * s.block_size + offset) * s.num_kv_heads + first_kv_head);
+      }
+    }
+  }
+  const int64_t n = static_cast<int64_t>(cache_rows.size());
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+
+  std::vector<float>& max_score = ws.max_score;
+  for (int64_t i = 0; i < n; ++i) {
+    const scalar_t* k_row = k_cache + cache_rows[i] * D;
+    if (i + kPrefetchAhead < n) prefetch(k_cache + cache_rows[i + kPrefetchAhead] * D, s.heads_per_item * D);
+    for (int64_t h = 0; h < s.heads_per_item; ++h) {
+      const scalar_t* k = k_row + h * D;
+      for (int64_t g = h * s.group; g < (h + 1) * s.group; ++g) {
+        const float* qg = qf + g * D;
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
+        scores[g * L + i] = dot;
+        max_score[g] = std::max(max_score[g], dot);
+      }
+    }
+  }
+  std::vector<float>& inv_sum = ws.inv_sum;
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * L;
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      sg[i] = exp_nonpositive(sg[i] - max_score[g]);
+      sum += sg[i];
+    }
+    inv_sum[g] = n > 0 ? 1.f / sum : 0.f;
+  }
+
+  for (int64_t i = 0; i < n; ++i) {
+    const scalar_t* v_row = v_cache + cache_rows[i] * D;
+    if (i + kPrefetchAhead < n) prefetch(v_cache + cache_rows[i + kPrefetchAhead] * D, s.heads_per_item * D);
+    for (int64_t h = 0; h < s.heads_per_item; ++h) {
+      const scalar_t* v = v_row + h * D;
+      for (int64_t g = h * s.group; g < (h + 1) * s.group; ++g) {
+        const float p = scores[g * L + i];
+        float* ag = acc + g * D;
+        for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(v[d]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<scalar_t>(acc[g * D + d] * inv_sum[g]);
+  }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& mask_in, double scale) {
+  TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4, "q must be [B, Hq, D] and the caches [N, block_size, Hkv, D]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  TORCH_CHECK(q_in.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must have one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && mask_in.scalar_type() == at::kBool,
+              "block_tables must be int64 and mask bool");
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16 || q_in.scalar_type() == at::kHalf,
+      "paged_decode_attention supports float32, bfloat16 and float16, not ", q_in.scalar_type());
+  const int64_t B = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && Hq % Hkv == 0, "head sizes of q and the caches do not fit");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B, "block_tables must be [B, max_blocks]");
+  const int64_t L = block_tables.size(1) * block_size;
+  TORCH_CHECK(mask_in.numel() == B * L, "mask must be [B, 1, 1, max_blocks * block_size]");
+
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor mask = mask_in.reshape({B, L}).contiguous();
+  const int64_t* table_data = tables.data_ptr<int64_t>();
+  const bool* mask_data = mask.data_ptr<bool>();
+  for (int64_t b = 0; b < B; ++b) {  // every block a request attends to must exist
+    for (int64_t t = 0; t < L; t += block_size) {
+      bool used = false;
+      for (int64_t j = t; j < t + block_size; ++j) used |= mask_data[b * L + j];
+      const int64_t id = table_data[b * block_tables.size(1) + t / block_size];
+      TORCH_CHECK(!used || (id >= 0 && id < num_blocks), "block id ", id, " out of range [0, ", num_blocks, ")");
+    }
+  }
+
+  at::Tensor out = at::empty({B, Hq, D}, q.options());
+  // Whole requests per item when there are enough of them to share out; otherwise (request, KV head).
+  const int64_t heads_per_item = B >= 4 * at::get_num_threads() ? Hkv : 1;
+  const Shape shape{L, block_size, Hkv, Hq / Hkv, D, heads_per_item};
+  const int64_t items_per_request = Hkv / heads_per_item;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    const scalar_t* q_data = q.const_data_ptr<scalar_t>();
+    const scalar_t* k_data = k_cache.const_data_ptr<scalar_t>();
+    const scalar_t* v_data = v_cache.const_data_ptr<scalar_t>();
+    scalar_t* out_data = out.data_ptr<scalar_t>();
+    at::parallel_for(0, B * items_per_request, 1, [&](int64_t begin, int64_t end) {
+      Workspace workspace;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / items_per_request, h = item % items_per_request * heads_per_item;
+        const int64_t head = (b * Hq + h * shape.group) * D;  // the group's first query head
+        attend(q_data + head, k_data, v_data, table_data + b * block_tables.size(1), mask_data + b * L, h, shape,
+               static_cast<float>(scale), workspace, out_data + head);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(heteroserve, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor mask, "
+        "float scale) -> Tensor");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}

@@ -1,0 +1,146 @@
+"""The CPU paged decode attention kernel against the torch reference, on paged caches laid out as the engine does."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from heteroserve.model.layers.attention import build_attention_metadata
+from heteroserve.platforms import cpu_attention, reference_ops
+from heteroserve.platforms.cpu import CpuPlatform
+
+BLOCK_SIZE = 16
+EDGE_LENGTHS = [1, 2, 15, 16, 17, 33, 140, 300]  # one token, block edges, the scenario-B length, many blocks
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cpu_attention.PagedDecodeAttention:
+    built = cpu_attention.paged_decode_attention()
+    if built is None:
+        pytest.skip("the C++ kernel cannot be built here (see the warning logged by cpu_attention)")
+    return built
+
+
+def paged_batch(context_lengths, num_heads, num_kv_heads, head_dim, sliding_window=None, dtype=torch.float32, seed=0):
+    """Random caches whose blocks are handed out in shuffled order, with spare blocks nobody owns, and the block
+    tables and mask that build_attention_metadata makes for these decodes."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-n // BLOCK_SIZE) for n in context_lengths]
+    num_blocks = sum(blocks_needed) + 5
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    decodes, start = [], 0
+    for n, count in zip(context_lengths, blocks_needed, strict=True):
+        decodes.append((n - 1, order[start : start + count]))  # the query is the last token of the context
+        start += count
+    meta = build_attention_metadata(BLOCK_SIZE, [0] * len(decodes), decodes, [], sliding_window, torch.device("cpu"))
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(len(decodes), num_heads, head_dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, head_dim**-0.5
+
+
+def _relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((out.float() - expected.float()).norm() / expected.float().norm())
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2)])  # GQA groups 1, 3, 4
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("batch", [1, 64])
+def test_matches_the_reference(kernel, batch, head_dim, num_heads, num_kv_heads):
+    gen = torch.Generator().manual_seed(batch * head_dim + num_heads)
+    lengths = (EDGE_LENGTHS + torch.randint(1, 300, (batch,), generator=gen).tolist())[:batch]
+    if batch == 1:
+        lengths = [140]
+    args = paged_batch(lengths, num_heads, num_kv_heads, head_dim)
+    out, expected = kernel(*args), reference_ops.decode_attention(*args)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert _relative_error(out, expected) < 1e-5
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_reads_only_the_window(kernel):
+    lengths = [1, 5, 16, 20, 40, 100, 257]
+    args = paged_batch(lengths, 9, 3, 64, sliding_window=16)
+    torch.testing.assert_close(kernel(*args), reference_ops.decode_attention(*args), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sharpness", [0.0, 8.0, 60.0])  # uniform, peaked, nearly one-hot softmax
+def test_softmax_over_a_wide_range_of_scores(kernel, sharpness):
+    q, k_cache, v_cache, tables, mask, scale = paged_batch(EDGE_LENGTHS, 9, 3, 64)
+    out = kernel(q * sharpness, k_cache, v_cache, tables, mask, scale)
+    expected = reference_ops.decode_attention(q * sharpness, k_cache, v_cache, tables, mask, scale)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_masked_tokens_are_never_read(kernel):
+    """Table entries past a request's context may point anywhere; NaN there must not reach the output."""
+    q, k_cache, v_cache, tables, mask, scale = paged_batch([3, 40], 9, 3, 64)
+    in_use = mask[:, 0, 0, :].view(len(tables), -1, BLOCK_SIZE).any(-1)
+    spare = sorted(set(range(k_cache.shape[0])) - set(tables[in_use].tolist()))
+    assert (~in_use).any() and spare
+    tables = tables.masked_fill(~in_use, spare[0])
+    k_cache[spare], v_cache[spare] = float("nan"), float("nan")
+    out = kernel(q, k_cache, v_cache, tables, mask, scale)
+    assert not out.isnan().any()
+    expected = reference_ops.decode_attention(q, k_cache.nan_to_num(), v_cache.nan_to_num(), tables, mask, scale)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_caches_accumulate_in_float32(kernel, dtype):
+    q, k_cache, v_cache, tables, mask, scale = paged_batch(EDGE_LENGTHS, 9, 3, 64, dtype=dtype)
+    out = kernel(q, k_cache, v_cache, tables, mask, scale)
+    assert out.dtype == dtype
+    expected = reference_ops.decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, mask, scale)
+    assert _relative_error(out, expected) < 1e-2  # the output's own rounding
+
+
+def test_bad_block_id_is_an_error_not_a_crash(kernel):
+    q, k_cache, v_cache, tables, mask, scale = paged_batch([20], 9, 3, 64)
+    tables = tables.clone()
+    tables[0, 1] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel(q, k_cache, v_cache, tables, mask, scale)
+
+
+def test_cpu_platform_runs_decode_attention_through_the_kernel(kernel):
+    platform = CpuPlatform()
+    assert platform.operator_table(torch.float32).describe()["decode_attention"] == kernel.kernel_name
+    assert platform.operator_table(torch.float32, kernels="reference").describe()["decode_attention"] == (
+        "torch reference"
+    )
+
+
+def test_build_directory_is_keyed_by_cpu_torch_and_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    here = cpu_attention.build_directory()
+    assert here.parent == tmp_path
+    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: "x86_64 avx2")
+    assert cpu_attention.build_directory() != here
+
+
+def test_other_dtypes_say_not_implemented(kernel):
+    """NotImplementedError is what the operator table turns into a reference fallback."""
+    args = paged_batch([20], 9, 3, 64, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="float32, bfloat16 and float16"):
+        kernel(*args)
+
+
+def test_a_failed_build_warns_once_and_keeps_the_reference(monkeypatch, tmp_path, caplog):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_attention, "SOURCE", broken)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    cpu_attention.paged_decode_attention.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="heteroserve.platforms.cpu_attention"):
+            table = CpuPlatform().operator_table(torch.float32)
+            CpuPlatform().operator_table(torch.float32)
+        assert table.describe()["decode_attention"] == "torch reference"
+        messages = [r.getMessage() for r in caplog.records]
+        assert len(messages) == 1 and messages[0].startswith("the CPU paged decode attention kernel could not be built")
+    finally:
+        cpu_attention.paged_decode_attention.cache_clear()
