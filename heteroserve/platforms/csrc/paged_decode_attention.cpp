@@ -13,6 +13,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "vector_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -36,28 +38,6 @@ inline void prefetch(const scalar_t* row, int64_t count) {
   const char* bytes = reinterpret_cast<const char*>(row);
   const int64_t size = count * static_cast<int64_t>(sizeof(scalar_t));
   for (int64_t offset = 0; offset < size; offset += 64) __builtin_prefetch(bytes + offset);
-}
-
-// exp(x) for x <= 0 (a score minus the row's maximum), written so the compiler vectorises the softmax loop
-// (std::exp is a scalar call): x = k ln2 + r with |r| <= ln2/2, exp(r) by its degree-7 Taylor polynomial
-// (relative error < 1e-8 before rounding), times 2^k built in the exponent bits. Below -87, 2^k would be
-// subnormal and the result is flushed to 0: such a weight is below 1e-38 of the largest one.
-inline float exp_nonpositive(float x) {
-  if (x < -87.f) x = -87.f;
-  const float k = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187e-06f;  // ln2 split for exact k ln2
-  float p = 1.f / 5040;
-  p = p * r + 1.f / 720;
-  p = p * r + 1.f / 120;
-  p = p * r + 1.f / 24;
-  p = p * r + 1.f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 // Buffers reused across the work items of one thread.
@@ -110,7 +90,7 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
     float* sg = scores + g * L;
     float sum = 0.f;
     for (int64_t i = 0; i < n; ++i) {
-      sg[i] = exp_nonpositive(sg[i] - max_score[g]);
+      sg[i] = heteroserve::exp_nonpositive(sg[i] - max_score[g]);
       sum += sg[i];
     }
     inv_sum[g] = n > 0 ? 1.f / sum : 0.f;
@@ -191,7 +171,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 
 }  // namespace
 
-TORCH_LIBRARY(heteroserve, m) {
+TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor mask, "
         "float scale) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);

@@ -1,4 +1,5 @@
-"""The CPU paged decode attention kernel against the torch reference, on paged caches laid out as the engine does."""
+"""The CPU platform's C++ kernels against the torch reference: paged decode attention on caches laid out as the
+engine does, and the fused element-wise operators on the shapes and views the model passes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from heteroserve.model.layers.attention import build_attention_metadata
-from heteroserve.platforms import cpu_attention, reference_ops
+from heteroserve.platforms import cpu_kernels, reference_ops
 from heteroserve.platforms.cpu import CpuPlatform
 
 BLOCK_SIZE = 16
@@ -16,11 +17,15 @@ EDGE_LENGTHS = [1, 2, 15, 16, 17, 33, 140, 300]  # one token, block edges, the s
 
 
 @pytest.fixture(scope="module")
-def kernel() -> cpu_attention.PagedDecodeAttention:
-    built = cpu_attention.paged_decode_attention()
-    if built is None:
-        pytest.skip("the C++ kernel cannot be built here (see the warning logged by cpu_attention)")
-    return built
+def fused() -> dict:
+    if not cpu_kernels.load_library():
+        pytest.skip("the C++ kernels cannot be built here (see the warning logged by cpu_kernels)")
+    return cpu_kernels.kernels_for(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def kernel(fused) -> cpu_kernels.PagedDecodeAttention:
+    return fused["decode_attention"]
 
 
 def paged_batch(context_lengths, num_heads, num_kv_heads, head_dim, sliding_window=None, dtype=torch.float32, seed=0):
@@ -106,20 +111,63 @@ def test_bad_block_id_is_an_error_not_a_crash(kernel):
         kernel(q, k_cache, v_cache, tables, mask, scale)
 
 
-def test_cpu_platform_runs_decode_attention_through_the_kernel(kernel):
+def test_cpu_platform_runs_its_operators_through_the_kernels(fused):
     platform = CpuPlatform()
-    assert platform.operator_table(torch.float32).describe()["decode_attention"] == kernel.kernel_name
-    assert platform.operator_table(torch.float32, kernels="reference").describe()["decode_attention"] == (
-        "torch reference"
+    described = platform.operator_table(torch.float32).describe()
+    assert {name: described[name] for name in fused} == {name: k.kernel_name for name, k in fused.items()}
+    assert described["write_kv"] == described["prefill_attention"] == "torch reference"
+    reference = platform.operator_table(torch.float32, kernels="reference").describe()
+    assert {reference[name] for name in fused} == {"torch reference"}
+    # bfloat16 activations: the attention kernel, the reference element-wise operators
+    bf16 = platform.operator_table(torch.bfloat16).describe()
+    assert bf16["decode_attention"] == fused["decode_attention"].kernel_name and bf16["rms_norm"] == "torch reference"
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_fused_rms_norm_and_silu_and_mul(fused, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 576, generator=gen), torch.randn(576, generator=gen)
+    assert relative_error(fused["rms_norm"](x, weight, 1e-5), reference_ops.rms_norm(x, weight, 1e-5)) < 1e-6
+    heads = torch.randn(rows, 8, 64, generator=gen)[:, ::2]  # a strided [T, heads, D] view (Qwen3's q/k norms)
+    assert (
+        relative_error(fused["rms_norm"](heads, weight[:64], 1e-6), reference_ops.rms_norm(heads, weight[:64], 1e-6))
+        < 1e-6
     )
+    gate_up = 6 * torch.randn(rows, 2 * 1536, generator=gen)  # large |gate| on both sides of 0
+    assert relative_error(fused["silu_and_mul"](gate_up), reference_ops.silu_and_mul(gate_up)) < 1e-6
+
+
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_fused_rotary_on_views_of_the_fused_projection(fused, rows):
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (9 + 2 * 3) * 64, generator=gen)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k = q.view(rows, 9, 64), k.view(rows, 3, 64)
+    cos, sin = torch.randn(2048, 64, generator=gen), torch.randn(2048, 64, generator=gen)
+    positions = torch.randint(0, 2048, (rows,), generator=gen)
+    ours, expected = fused["rotary"](positions, q, k, cos, sin), reference_ops.rotary(positions, q, k, cos, sin)
+    for a, b in zip(ours, expected, strict=True):
+        assert a.shape == b.shape and relative_error(a, b) < 1e-6
+    with pytest.raises(RuntimeError, match="outside the table"):
+        fused["rotary"](torch.full((rows,), 2048), q, k, cos, sin)
+
+
+def test_fused_operators_say_not_implemented_for_other_dtypes(fused):
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="float32 only"):
+        fused["rms_norm"](x, torch.ones(64, dtype=torch.bfloat16), 1e-5)
 
 
 def test_build_directory_is_keyed_by_cpu_torch_and_source(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    here = cpu_attention.build_directory()
+    here = cpu_kernels.build_directory()
     assert here.parent == tmp_path
-    monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda: "x86_64 avx2")
-    assert cpu_attention.build_directory() != here
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "x86_64 avx2")
+    assert cpu_kernels.build_directory() != here
 
 
 def test_other_dtypes_say_not_implemented(kernel):
@@ -132,15 +180,15 @@ def test_other_dtypes_say_not_implemented(kernel):
 def test_a_failed_build_warns_once_and_keeps_the_reference(monkeypatch, tmp_path, caplog):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_attention, "SOURCE", broken)
+    monkeypatch.setattr(cpu_kernels, "SOURCES", [broken])
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
-    cpu_attention.paged_decode_attention.cache_clear()
+    cpu_kernels.load_library.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="heteroserve.platforms.cpu_attention"):
+        with caplog.at_level(logging.WARNING, logger="heteroserve.platforms.cpu_kernels"):
             table = CpuPlatform().operator_table(torch.float32)
             CpuPlatform().operator_table(torch.float32)
-        assert table.describe()["decode_attention"] == "torch reference"
+        assert set(table.describe().values()) == {"onednn-packed", "torch reference"}
         messages = [r.getMessage() for r in caplog.records]
-        assert len(messages) == 1 and messages[0].startswith("the CPU paged decode attention kernel could not be built")
+        assert len(messages) == 1 and messages[0].startswith("the CPU C++ kernels could not be built")
     finally:
-        cpu_attention.paged_decode_attention.cache_clear()
+        cpu_kernels.load_library.cache_clear()
