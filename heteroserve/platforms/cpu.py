@@ -12,7 +12,7 @@ import torch
 from heteroserve.config import DEFAULT_CPU_KV_CACHE_BYTES
 from heteroserve.platforms import cpu_kernels
 from heteroserve.platforms.cpu_int4 import CpuInt4Weight
-from heteroserve.platforms.cpu_int8 import CpuChunkedInt8Weight, CpuInt8Weight
+from heteroserve.platforms.cpu_int8 import CpuGroupedInt8Weight, CpuInt8Weight
 from heteroserve.platforms.interface import Platform
 from heteroserve.platforms.operators import Kernel, LinearOp
 from heteroserve.quantization.act_order import PermutedInput
@@ -105,8 +105,8 @@ class OneDnnLinear(LinearOp):
     """oneDNN with weights repacked once for its blocked layout: on a 2-core AVX-512 machine about 2x
     eager torch.matmul at 1-64 rows and 1.3x at 512+ (bench/README.md). Compressed weights go to torch's
     int4 kernel (CpuInt4Weight) or per-channel int8 kernel (CpuInt8Weight) where it has one; grouped 8-bit
-    weights have no CPU kernel, and dequantising them on the fly costs 2-8x float32 oneDNN (cpu_int8.py), so
-    they are expanded to float once at load."""
+    weights stay 8-bit with float32 activations (CpuGroupedInt8Weight: our C++ kernel for decode batches,
+    slices dequantised in cache beyond); with other activation dtypes they are expanded once at load."""
 
     name = "onednn-packed"
     PACK_ROWS = 64  # the batch size the layout is tuned for; other sizes work too
@@ -133,20 +133,25 @@ class OneDnnLinear(LinearOp):
                 return CpuInt4Weight.pack(weight, self.bf16_gemm)
             return weight
         if isinstance(weight, Int8Weight):
-            if not self._expands(weight):
+            if self.int8_kernel and CpuInt8Weight.supports(weight):
                 return CpuInt8Weight.pack(weight)
+            if self.dtype == torch.float32:
+                return CpuGroupedInt8Weight(weight)
             weight = weight.dequantize(self.dtype)
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_ROWS)
 
     def _expands(self, weight) -> bool:
-        return isinstance(weight, Int8Weight) and not (self.int8_kernel and CpuInt8Weight.supports(weight))
+        """8-bit weights neither 8-bit path takes (activations other than float32, no per-channel kernel)."""
+        if not isinstance(weight, Int8Weight) or self.dtype == torch.float32:
+            return False
+        return not (self.int8_kernel and CpuInt8Weight.supports(weight))
 
     def prepare_lm_head(self, weight):
-        # An 8-bit LM head (a tied Q8_0 embedding) keeps its 8-bit form and multiplies in float32: with
+        # An 8-bit LM head (a tied Q8_0 embedding) multiplies in float32 even where the int8 kernel exists: with
         # activations in bfloat16 the default model's answer to "What is the capital of France?" turned into
         # "L'Étoile, la Marseillaise, ...".
         if isinstance(weight, Int8Weight) and self.dtype == torch.float32:
-            return CpuChunkedInt8Weight(weight)
+            return CpuGroupedInt8Weight(weight)
         if isinstance(weight, Int8Weight):
             weight = weight.dequantize()
         return self.prepare(weight)
@@ -154,7 +159,7 @@ class OneDnnLinear(LinearOp):
     def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, PermutedInput):
             return self(weight.gather(x), weight.weight, bias)
-        if isinstance(weight, (CpuInt4Weight, CpuInt8Weight, CpuChunkedInt8Weight)):
+        if isinstance(weight, (CpuInt4Weight, CpuInt8Weight, CpuGroupedInt8Weight)):
             return weight.matmul(x, bias)
         if isinstance(weight, (Int4Weight, Int8Weight)):
             return super().__call__(x, weight, bias)

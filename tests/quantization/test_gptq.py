@@ -77,9 +77,8 @@ def test_gptq_model_matches_transformers_on_decoded_weights(tmp_path, model_type
     for kernels, tolerance in (("reference", 1e-4), ("auto", 5e-2)):
         llm = tiny.llm(kernels=kernels)
         model = llm.engine.runner.model
-        # Kept compressed except grouped 8-bit on the CPU platform, which has no kernel for it (cpu_int8.py).
-        compressed = not isinstance(model.layers[0].down_proj, torch.Tensor)
-        assert compressed == (kernels == "reference" or settings["bits"] == 4 or settings["group_size"] == -1)
+        # Kept compressed on every path (grouped 8-bit on the CPU platform: CpuGroupedInt8Weight).
+        assert not isinstance(model.layers[0].down_proj, torch.Tensor)
         out = llm.generate({"prompt_token_ids": ids}, _prompt_logprobs(tiny.vocab_size), use_tqdm=False)[0]
         for i in range(1, len(ids)):
             ours = torch.tensor([out.prompt_logprobs[i][t].logprob for t in range(tiny.vocab_size)])

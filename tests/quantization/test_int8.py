@@ -9,7 +9,7 @@ from heteroserve import SamplingParams
 from heteroserve.model.loader.weights import _cat
 from heteroserve.platforms.cpu import _int8_kernel_works
 from heteroserve.platforms.cpu_int4 import CpuInt4Weight
-from heteroserve.platforms.cpu_int8 import KERNEL_MAX_ROWS, CpuChunkedInt8Weight, CpuInt8Weight
+from heteroserve.platforms.cpu_int8 import KERNEL_MAX_ROWS, CpuGroupedInt8Weight, CpuInt8Weight
 from heteroserve.platforms.operators import LinearOp
 from heteroserve.quantization.int4 import quantize_int4
 from heteroserve.quantization.int8 import Int8Weight, quantize_int8
@@ -43,17 +43,21 @@ def test_int8_kernel_against_dequantised_matmul(asymmetric, rows):
 
 
 @pytest.mark.parametrize("asymmetric", [False, True])
-@pytest.mark.parametrize("rows", [1, 5, 64])
-def test_chunked_int8_head_against_dequantised_matmul(asymmetric, rows):
-    """The LM head's 8-bit path: slices of output rows (the last one partial) dequantised exactly."""
-    n = 2 * CpuChunkedInt8Weight.ROWS + 37
-    base = quantize_int8(torch.randn(n, 96), group_size=32)
-    zero = torch.randn(n, 3) if asymmetric else None
+@pytest.mark.parametrize(
+    "rows", [1, 5, CpuGroupedInt8Weight.KERNEL_MAX_ROWS, CpuGroupedInt8Weight.KERNEL_MAX_ROWS + 1, 64]
+)
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_grouped_int8_against_dequantised_matmul(asymmetric, rows, group_size):
+    """Grouped 8-bit weights stay 8-bit: the C++ kernel up to KERNEL_MAX_ROWS rows, slices of output rows
+    (the last one partial) dequantised exactly beyond; float32 arithmetic either way."""
+    n = 2 * CpuGroupedInt8Weight.SLICE_ROWS + 37
+    base = quantize_int8(torch.randn(n, 192), group_size=group_size)
+    zero = torch.randn(n, 192 // group_size) if asymmetric else None
     weight = Int8Weight(base.q, base.scale, base.group_size, zero)
-    x = torch.randn(rows, 96)
+    x = torch.randn(rows, 192)
     bias = torch.randn(n)
     reference = x @ weight.dequantize().T + bias
-    assert relative_error(CpuChunkedInt8Weight(weight).matmul(x, bias), reference) <= 1e-5
+    assert relative_error(CpuGroupedInt8Weight(weight).matmul(x, bias), reference) <= 1e-5
 
 
 @pytest.mark.parametrize("kernels, tolerance", [("reference", 1e-4), ("auto", 5e-2)])

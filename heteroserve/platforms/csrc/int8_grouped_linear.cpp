@@ -1,0 +1,125 @@
+// y = x W^T for 8-bit weights with a scale (and optionally a zero) per group of input columns, read in place:
+// w[n, k] = q[n, k] * scale[n, k / G] + zero[n, k / G]. For the few rows of a decode step, where the product
+// is bound by reading the weight: 1 byte a weight instead of float32's 4 (GGUF Q8_0 and the 5/6-bit types kept
+// at 8 bits, grouped GPTQ 8-bit, a tied Q8_0 LM head). Output rows are split over torch's OpenMP threads; each
+// weight row is dequantised 16 weights at a time in registers and used for up to 4 input rows while it is there.
+// Partial sums stay per lane across the row and are added up once per output, in float32.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kMaxRows = 16;  // input rows per call: beyond this a float GEMM on dequantised slices wins
+constexpr int64_t kTile = 4;      // input rows that share one dequantised chunk of a weight row
+constexpr int64_t kLanes = 16;    // weights per vector: groups must be a multiple of this
+
+// GCC vector extensions: AVX-512 registers on x86, pairs of NEON ones on arm64, without intrinsics.
+typedef float f32x16 __attribute__((vector_size(64)));
+
+inline f32x16 load_f32(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// GCC turns a vector-extension int8 -> float conversion into 16 scalar conversions, so x86 gets intrinsics.
+inline f32x16 load_i8_as_f32(const int8_t* p) {
+#if defined(__AVX512F__)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256 low = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+  const __m256 high = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
+  f32x16 v;
+  std::memcpy(&v, &low, sizeof(low));
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(low), &high, sizeof(high));
+  return v;
+#else
+  f32x16 v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+inline float sum_lanes(f32x16 v) {
+  float total = 0.f;
+  for (int i = 0; i < kLanes; ++i) total += v[i];
+  return total;
+}
+
+// Output n for input rows [m0, m0 + ROWS): the weight row is read once, 16 weights at a time.
+template <int ROWS>
+void dot_rows(const float* x, int64_t K, const int8_t* q, const float* scale, const float* zero, int64_t G, float* out,
+              int64_t N) {
+  f32x16 acc[ROWS] = {};
+  for (int64_t g = 0, k = 0; k < K; ++g) {
+    const float s = scale[g], z = zero ? zero[g] : 0.f;
+    for (const int64_t group_end = k + G; k < group_end; k += kLanes) {
+      const f32x16 w = load_i8_as_f32(q + k) * s + z;
+      for (int r = 0; r < ROWS; ++r) acc[r] += load_f32(x + r * K + k) * w;
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) out[r * N] = sum_lanes(acc[r]);
+}
+
+at::Tensor int8_grouped_linear(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scale_in,
+                               const std::optional<at::Tensor>& zero_in) {
+  TORCH_CHECK_NOT_IMPLEMENTED(x_in.scalar_type() == at::kFloat, "int8_grouped_linear: float32 activations only");
+  TORCH_CHECK(q_in.scalar_type() == at::kChar && scale_in.scalar_type() == at::kFloat,
+              "int8_grouped_linear: q must be int8 and scale float32");
+  TORCH_CHECK(x_in.dim() == 2 && q_in.dim() == 2 && x_in.size(1) == q_in.size(1), "x [M, K] and q [N, K] differ");
+  const at::Tensor x = x_in.contiguous(), q = q_in.contiguous(), scale = scale_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), groups = scale.size(1);
+  TORCH_CHECK(M <= kMaxRows, "int8_grouped_linear takes at most ", kMaxRows, " rows, got ", M);
+  TORCH_CHECK(scale.size(0) == N && groups > 0 && K % groups == 0, "scale must be [N, K / group]");
+  const int64_t G = K / groups;
+  TORCH_CHECK(G % kLanes == 0, "group size ", G, " is not a multiple of ", kLanes);
+  at::Tensor zero;
+  if (zero_in.has_value()) {
+    zero = zero_in->contiguous();
+    TORCH_CHECK(zero.scalar_type() == at::kFloat && zero.sizes() == scale.sizes(), "zero must match scale");
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float* xd = x.const_data_ptr<float>();
+  const int8_t* qd = q.const_data_ptr<int8_t>();
+  const float* sd = scale.const_data_ptr<float>();
+  const float* zd = zero.defined() ? zero.const_data_ptr<float>() : nullptr;
+  float* od = out.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int8_t* qn = qd + n * K;
+      const float* sn = sd + n * groups;
+      const float* zn = zd ? zd + n * groups : nullptr;
+      for (int64_t m = 0; m < M; m += kTile) {
+        const float* xm = xd + m * K;
+        float* om = od + m * N + n;
+        switch (std::min(kTile, M - m)) {
+          case 1: dot_rows<1>(xm, K, qn, sn, zn, G, om, N); break;
+          case 2: dot_rows<2>(xm, K, qn, sn, zn, G, om, N); break;
+          case 3: dot_rows<3>(xm, K, qn, sn, zn, G, om, N); break;
+          default: dot_rows<4>(xm, K, qn, sn, zn, G, om, N); break;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
+  m.def("int8_grouped_linear(Tensor x, Tensor q, Tensor scale, Tensor? zero) -> Tensor");
+  m.impl("int8_grouped_linear", c10::DispatchKey::CPU, &int8_grouped_linear);
+}
