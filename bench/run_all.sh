@@ -12,8 +12,9 @@ heteroserve bench throughput --quantization none --scenario B --peer hf --hf-bat
     --output-json bench/results/scenario_b.json --plot bench/results/scenario_b.png
 heteroserve bench throughput --quantization none --scenario D --peer hf --hf-batch 8 \
     --output-json bench/results/scenario_d.json --plot bench/results/scenario_d.png
+# The concurrency-1 TTFT comparison with the offline engine: 40 pairs over 4 fresh server/engine processes.
 heteroserve bench serve --quantization none --concurrency 16 --num-requests 16 --input-len 128 --output-len 64 \
-    --output-json bench/results/scenario_c.json --plot bench/results/scenario_c.png
+    --ttft-requests 40 --ttft-rounds 4 --output-json bench/results/scenario_c.json --plot bench/results/scenario_c.png
 # As shipped (4-bit), beside llama.cpp on the same Q4_1 file when llama-cpp-python is installed (the [llama-cpp]
 # extra; without it the peer is recorded as skipped).
 heteroserve bench latency --peer llama-cpp --output-json bench/results/scenario_a_q4.json
