@@ -72,6 +72,31 @@ async def paired_ttft(
     return {"server_ttft_s": server_s, "offline_ttft_s": offline_s}
 
 
+async def paired_gateway_ttft(
+    direct: str, gateway: str, model: str | None, api_key: str | None, prompts: list[list[int]]
+) -> dict[str, object]:
+    """Each prompt once straight to the server and once through the gateway, alternating which goes first, so
+    drifts of the machine fall on both sides of every pair (prefix caching is off in this mode)."""
+    differences_ms: list[float] = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        for url in (direct, gateway):  # opens both kept-alive connections
+            await stream_request(client, url, model, prompts[0], 1, api_key)
+        for i, prompt in enumerate(prompts):
+            ttft = {}
+            for url in (direct, gateway) if i % 2 == 0 else (gateway, direct):
+                await asyncio.sleep(SETTLE_S)
+                timing = await stream_request(client, url, model, prompt, TTFT_OUTPUT_LEN, api_key)
+                if timing.error is not None:
+                    raise SystemExit(f"a request to {url} failed: {timing.error}")
+                ttft[url] = timing.ttft_s
+            differences_ms.append(1000 * (ttft[gateway] - ttft[direct]))
+    return {
+        "pairs": len(prompts),
+        "overhead_p50_ms": statistics.median(differences_ms),
+        "overhead_samples_ms": differences_ms,
+    }
+
+
 def pooled_pairs(rounds: list[dict[str, list[float]]]) -> dict[str, object]:
     """The median over every pair of every round, and each round's own median difference."""
     server_s = [t for r in rounds for t in r["server_ttft_s"]]
@@ -143,6 +168,8 @@ def run_serve_bench(args: argparse.Namespace) -> None:
                 gateway = start_gateway(url, model, folder)
                 try:
                     via_gateway, _ = measure(gateway.url, model)
+                    pairs = paired_gateway_ttft(url, gateway.url, model, args.api_key, single)
+                    via_gateway["paired_ttft"] = asyncio.run(pairs)
                 finally:
                     gateway.stop()
         if compare:  # the server idles meanwhile
@@ -193,15 +220,14 @@ def run_serve_bench(args: argparse.Namespace) -> None:
 def _report_gateway(result: dict, serving: dict, via_gateway: dict) -> None:
     result["via_gateway"] = via_gateway
     result["gateway_throughput_ratio"] = via_gateway["output_tokens_per_s"] / serving["output_tokens_per_s"]
-    direct_ttft, gateway_ttft = (
-        serving["concurrency_1"]["ttft_ms"]["p50"],
-        via_gateway["concurrency_1"]["ttft_ms"]["p50"],
-    )
-    result["gateway_ttft_overhead_ms"] = gateway_ttft - direct_ttft
+    pairs = via_gateway["paired_ttft"]
+    result["gateway_ttft_overhead_ms"] = pairs["overhead_p50_ms"]
+    gateway_p50, direct_p50 = (run["concurrency_1"]["ttft_ms"]["p50"] for run in (via_gateway, serving))
     print(
         f"through the gateway: {via_gateway['output_tokens_per_s']:.1f} output tok/s "
-        f"({result['gateway_throughput_ratio']:.0%} of direct); TTFT p50 at concurrency 1 "
-        f"{gateway_ttft:.1f} ms vs direct {direct_ttft:.1f} ms (+{result['gateway_ttft_overhead_ms']:.1f} ms)"
+        f"({result['gateway_throughput_ratio']:.0%} of direct); TTFT at concurrency 1 over {pairs['pairs']} "
+        f"paired requests: median difference {pairs['overhead_p50_ms']:+.1f} ms (p50 through the gateway "
+        f"{gateway_p50:.1f} ms, direct {direct_p50:.1f} ms)"
     )
 
 
