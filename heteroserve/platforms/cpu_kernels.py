@@ -104,6 +104,7 @@ def load_library() -> bool:
     try:
         from torch.utils.cpp_extension import load  # imports setuptools: only when the kernels are wanted
 
+        _put_ninja_on_path()
         directory = build_directory()
         directory.mkdir(parents=True, exist_ok=True)
         load(
@@ -119,3 +120,15 @@ def load_library() -> bool:
     except Exception as exc:  # noqa: BLE001 - any build or load failure means "use the reference"
         logger.warning("the CPU C++ kernels could not be built (%s); using the torch reference operators", exc)
         return False
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH, where the pip package's binary is only inside an activated venv (a server
+    started as `.venv/bin/heteroserve serve` would otherwise lose its kernels)."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
