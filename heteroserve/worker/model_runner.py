@@ -122,8 +122,10 @@ class ModelRunner:
         if logits is None:  # a tensor-parallel rank that does not sample
             return results
         if sample_rows:
+            # Prompt-logprob rows sit between the sampled ones; without them every row samples (no copy).
             index = torch.tensor([r for _, r in sample_rows], device=self.device)
-            tokens, logprobs = self.sampler(logits[index], [self._sampling_row(item) for item, _ in sample_rows])
+            sampled = logits[index] if prompt_rows else logits
+            tokens, logprobs = self.sampler(sampled, [self._sampling_row(item) for item, _ in sample_rows])
             for (item, _), token, entry in zip(sample_rows, tokens, logprobs, strict=True):
                 results[item.request.request_id].token_id = token
                 results[item.request.request_id].logprobs = entry
