@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import statistics
 import tempfile
+from collections.abc import Awaitable, Callable
 
 import httpx
 
@@ -50,46 +51,57 @@ def server_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+TtftOf = Callable[[int, list[int]], Awaitable[float]]  # (index, prompt) -> seconds to the first token
+
+
+async def alternate(prompts: list[list[int]], first: TtftOf, second: TtftOf) -> tuple[list[float], list[float]]:
+    """Each prompt once on each side, alternating which goes first and pausing before each, so slow drifts of
+    the machine (they move a 128-token prefill by ~20 ms between runs) fall on both sides of every pair."""
+    times: tuple[list[float], list[float]] = ([], [])
+    sides = ((first, times[0]), (second, times[1]))
+    for i, prompt in enumerate(prompts):
+        for ttft_of, found in sides if i % 2 == 0 else sides[::-1]:
+            await asyncio.sleep(SETTLE_S)
+            found.append(await ttft_of(i, prompt))
+    return times
+
+
+def served_ttft(client: httpx.AsyncClient, url: str, model: str | None, api_key: str | None) -> TtftOf:
+    async def ttft_of(_: int, prompt: list[int]) -> float:
+        timing = await stream_request(client, url, model, prompt, TTFT_OUTPUT_LEN, api_key)
+        if timing.error is not None:
+            raise SystemExit(f"a request to {url} failed: {timing.error}")
+        return timing.ttft_s
+
+    return ttft_of
+
+
 async def paired_ttft(
     url: str, model: str | None, api_key: str | None, engine: LLMEngine, prompts: list[list[int]]
-) -> dict[str, object]:
-    """Each prompt once through the server and once offline, alternating which goes first, so slow drifts of
-    the machine (they move a 128-token prefill by ~20 ms between runs) fall on both sides of every pair."""
-    server_s: list[float] = []
-    offline_s: list[float] = []
+) -> dict[str, list[float]]:
+    """Each prompt through the server and offline (see `alternate`)."""
+
+    async def offline(i: int, prompt: list[int]) -> float:
+        return time_to_first_token(engine, f"ttft-{i}", prompt, TTFT_OUTPUT_LEN)
+
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
         await stream_request(client, url, model, prompts[0], 1, api_key)  # opens the kept-alive connection
-        for i, prompt in enumerate(prompts):
-            for side in ("server", "offline") if i % 2 == 0 else ("offline", "server"):
-                await asyncio.sleep(SETTLE_S)
-                if side == "server":
-                    timing = await stream_request(client, url, model, prompt, TTFT_OUTPUT_LEN, api_key)
-                    if timing.error is not None:
-                        raise SystemExit(f"the server failed a request: {timing.error}")
-                    server_s.append(timing.ttft_s)
-                else:
-                    offline_s.append(time_to_first_token(engine, f"ttft-{i}", prompt, TTFT_OUTPUT_LEN))
+        server_s, offline_s = await alternate(prompts, served_ttft(client, url, model, api_key), offline)
     return {"server_ttft_s": server_s, "offline_ttft_s": offline_s}
 
 
 async def paired_gateway_ttft(
     direct: str, gateway: str, model: str | None, api_key: str | None, prompts: list[list[int]]
 ) -> dict[str, object]:
-    """Each prompt once straight to the server and once through the gateway, alternating which goes first, so
-    drifts of the machine fall on both sides of every pair (prefix caching is off in this mode)."""
-    differences_ms: list[float] = []
+    """Each prompt straight to the server and through the gateway (see `alternate`; prefix caching is off in
+    this mode)."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
         for url in (direct, gateway):  # opens both kept-alive connections
             await stream_request(client, url, model, prompts[0], 1, api_key)
-        for i, prompt in enumerate(prompts):
-            ttft = {}
-            for url in (direct, gateway) if i % 2 == 0 else (gateway, direct):
-                await asyncio.sleep(SETTLE_S)
-                timing = await stream_request(client, url, model, prompt, TTFT_OUTPUT_LEN, api_key)
-                if timing.error is not None:
-                    raise SystemExit(f"a request to {url} failed: {timing.error}")
-                ttft[url] = timing.ttft_s
-            differences_ms.append(1000 * (ttft[gateway] - ttft[direct]))
+        direct_s, gateway_s = await alternate(
+            prompts, served_ttft(client, direct, model, api_key), served_ttft(client, gateway, model, api_key)
+        )
+    differences_ms = [1000 * (g - d) for g, d in zip(gateway_s, direct_s, strict=True)]
     return {
         "pairs": len(prompts),
         "overhead_p50_ms": statistics.median(differences_ms),

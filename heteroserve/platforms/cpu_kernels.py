@@ -5,6 +5,8 @@
   a ~178 ms decode step. The kernel reads the cache in place.
 - `rms_norm`, `silu_and_mul`, `rotary` (csrc/fused_elementwise.cpp): one pass over memory each instead of the
   reference's chain of torch operators; float32 only.
+- `torch.ops.heteroserve.int8_grouped_linear` (csrc/int8_grouped_linear.cpp): grouped 8-bit weights read in
+  place for decode batches, called by cpu_int8.CpuGroupedInt8Weight rather than through the operator table.
 
 The library is built for this machine's CPU (-march=native), so its build directory is named by a hash of the
 CPU's flags, the compiler flags, torch's version and the sources: a cache shared between different CPUs, or

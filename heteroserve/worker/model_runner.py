@@ -123,8 +123,7 @@ class ModelRunner:
             return results
         if sample_rows:
             # Prompt-logprob rows sit between the sampled ones; without them every row samples (no copy).
-            index = torch.tensor([r for _, r in sample_rows], device=self.device)
-            sampled = logits[index] if prompt_rows else logits
+            sampled = logits[torch.tensor([r for _, r in sample_rows], device=self.device)] if prompt_rows else logits
             tokens, logprobs = self.sampler(sampled, [self._sampling_row(item) for item, _ in sample_rows])
             for (item, _), token, entry in zip(sample_rows, tokens, logprobs, strict=True):
                 results[item.request.request_id].token_id = token

@@ -8,8 +8,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <tuple>
 #include <vector>
