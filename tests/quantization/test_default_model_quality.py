@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from heteroserve import LLM, SamplingParams
 from heteroserve.bench.workload import prompt_ids
 
@@ -55,6 +57,12 @@ def test_quantized_argmax_agrees_under_teacher_forcing(default_llm, default_toke
     assert rate >= 0.95
     assert perplexity["q4_1"] < 1.2 * perplexity["float32"]
     assert memory <= 0.30  # issue 6: 4-bit layers, 8-bit embedding read in place by the tied LM head
+    model = quantized.engine.runner.model
+    assert model.lm_head.weight.q.data_ptr() == model.embed_tokens.q.data_ptr()  # no copy of the table
+    counted_twice = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        v.nbytes for m in model.modules() for v in vars(m).values() if hasattr(v, "nbytes") and not torch.is_tensor(v)
+    )
+    assert quantized.engine.weight_bytes == counted_twice - model.embed_tokens.nbytes  # the shared table once
 
 
 def test_shipped_model_answers_the_demo_question():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from heteroserve import LLM, SamplingParams
@@ -47,6 +48,12 @@ def test_int4_large_batches_take_the_bfloat16_gemm(rows):
     out = CpuInt4Weight.pack(weight, bf16_gemm=True).matmul(x, bias)
     assert out.dtype == torch.float32 and out.shape == (rows, 192)
     assert _relative_error(out, reference) <= 1e-2
+    # which path ran: below the bound the int4 kernel, from it one GEMM on the bfloat16-dequantised weight
+    if rows >= BF16_GEMM_MIN_ROWS:
+        expected = F.linear(x.bfloat16(), weight.dequantize(torch.bfloat16)).float() + bias
+    else:
+        expected = CpuInt4Weight.pack(weight).matmul(x, bias)
+    assert torch.equal(out, expected)
 
 
 def test_quantize_int4_round_trip():
