@@ -13,6 +13,7 @@ from heteroserve.config import DEFAULT_CPU_KV_CACHE_BYTES
 from heteroserve.platforms import cpu_kernels
 from heteroserve.platforms.cpu_int4 import CpuInt4Weight
 from heteroserve.platforms.cpu_int8 import CpuGroupedInt8Weight, CpuInt8Weight
+from heteroserve.platforms.cpu_packed import CpuPackedWeight
 from heteroserve.platforms.interface import Platform
 from heteroserve.platforms.operators import Kernel, LinearOp
 from heteroserve.quantization.act_order import PermutedInput
@@ -101,27 +102,31 @@ def host_memory() -> tuple[int, int]:
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
 
-class OneDnnLinear(LinearOp):
-    """oneDNN with weights repacked once for its blocked layout: on a 2-core AVX-512 machine about 2x
-    eager torch.matmul at 1-64 rows and 1.3x at 512+ (bench/README.md). Compressed weights go to torch's
-    int4 kernel (CpuInt4Weight) or per-channel int8 kernel (CpuInt8Weight) where it has one; grouped 8-bit
-    weights stay 8-bit with float32 activations (CpuGroupedInt8Weight: our C++ kernel for decode batches,
-    slices dequantised in cache beyond); with other activation dtypes they are expanded once at load."""
+class CpuLinear(LinearOp):
+    """Float32 weights packed once for our C++ GEMM (cpu_packed.py: one kernel for every batch size, reading the
+    weight as one stream); bfloat16 ones (or float32 ones without the C++ library) repacked once for oneDNN,
+    about 2x eager torch.matmul at 1-64 rows and 1.3x at 512+ on a 2-core AVX-512 machine. Compressed
+    weights go to torch's int4 kernel (CpuInt4Weight) or per-channel int8 kernel (CpuInt8Weight) where it has
+    one; grouped 8-bit weights stay 8-bit with float32 activations (CpuGroupedInt8Weight: our C++ kernel for
+    decode batches, slices dequantised in cache beyond); with other activation dtypes they are expanded once
+    at load."""
 
-    name = "onednn-packed"
-    PACK_ROWS = 64  # the batch size the layout is tuned for; other sizes work too
+    PACK_ROWS = 64  # the batch size oneDNN's layout is tuned for; other sizes work too
 
     def __init__(
         self,
         dtype: torch.dtype = torch.float32,
+        packed_float32: bool = False,
         int4_kernel: bool = False,
         int8_kernel: bool = False,
         bf16_gemm: bool = False,
     ) -> None:
         self.dtype = dtype  # of the activations; weights expanded at load take it
+        self.packed_float32 = packed_float32 and dtype == torch.float32
         self.int4_kernel = int4_kernel
         self.int8_kernel = int8_kernel
         self.bf16_gemm = bf16_gemm  # native bfloat16 multiplies: 4-bit weights in large batches use them
+        self.name = "cpp packed gemm" if self.packed_float32 else "onednn-packed"
 
     def prepare(self, weight):
         if isinstance(weight, PermutedInput):
@@ -138,6 +143,8 @@ class OneDnnLinear(LinearOp):
             if self.dtype == torch.float32:
                 return CpuGroupedInt8Weight(weight)
             weight = weight.dequantize(self.dtype)
+        if self.packed_float32:
+            return CpuPackedWeight.pack(weight)
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_ROWS)
 
     def _expands(self, weight) -> bool:
@@ -159,7 +166,7 @@ class OneDnnLinear(LinearOp):
     def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, PermutedInput):
             return self(weight.gather(x), weight.weight, bias)
-        if isinstance(weight, (CpuInt4Weight, CpuInt8Weight, CpuGroupedInt8Weight)):
+        if isinstance(weight, (CpuPackedWeight, CpuInt4Weight, CpuInt8Weight, CpuGroupedInt8Weight)):
             return weight.matmul(x, bias)
         if isinstance(weight, (Int4Weight, Int8Weight)):
             return super().__call__(x, weight, bias)
@@ -199,7 +206,7 @@ def _onednn_works(dtype: torch.dtype) -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        op = OneDnnLinear(dtype)
+        op = CpuLinear(dtype)
         w = torch.randn(8, 16, dtype=dtype)
         x = torch.randn(3, 16, dtype=dtype)
         return torch.allclose(op(x, op.prepare(w)).float(), (x @ w.T).float(), rtol=1e-2, atol=1e-2)
@@ -230,9 +237,13 @@ class CpuPlatform(Platform):
         return dtypes
 
     def linear_op(self, dtype: torch.dtype, kernels: str = "auto") -> LinearOp:
-        if kernels == "auto" and dtype in (torch.float32, torch.bfloat16) and _onednn_works(dtype):
-            return OneDnnLinear(
+        if kernels != "auto":
+            return LinearOp()
+        packed_float32 = dtype == torch.float32 and cpu_kernels.load_library()
+        if packed_float32 or (dtype in (torch.float32, torch.bfloat16) and _onednn_works(dtype)):
+            return CpuLinear(
                 dtype,
+                packed_float32=packed_float32,
                 int4_kernel=_int4_kernel_works(),
                 int8_kernel=_int8_kernel_works(),
                 bf16_gemm=bool(self.isa & {"avx512_bf16", "amx_bf16"}),

@@ -76,8 +76,13 @@ def test_sliding_window_reads_only_the_window(kernel):
 def test_softmax_over_a_wide_range_of_scores(kernel, sharpness):
     q, k_cache, v_cache, tables, mask, scale = paged_batch(EDGE_LENGTHS, 9, 3, 64)
     out = kernel(q * sharpness, k_cache, v_cache, tables, mask, scale)
-    expected = reference_ops.decode_attention(q * sharpness, k_cache, v_cache, tables, mask, scale)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    # Against float64: scores of several hundred lose ~1e-5 to float32 rounding in any order of summation, so
+    # the float32 reference is no yardstick at sharpness 60 (its own error was 1.9e-5 on an Intel Xeon, ours 1.0e-5).
+    q64, k64, v64 = (q * sharpness).double(), k_cache.double(), v_cache.double()
+    exact = reference_ops.decode_attention(q64, k64, v64, tables, mask, scale)
+    float32 = reference_ops.decode_attention(q * sharpness, k_cache, v_cache, tables, mask, scale)
+    torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=3e-5)
+    assert (out.double() - exact).abs().max() <= (float32.double() - exact).abs().max() + 1e-6
 
 
 def test_masked_tokens_are_never_read(kernel):

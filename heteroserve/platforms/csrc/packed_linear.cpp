@@ -1,0 +1,157 @@
+// y = x W^T + b in float32 with W packed once at load into column panels: panel p holds output columns
+// [p * NR, p * NR + NR) as K consecutive runs of NR weights, so every product reads the whole weight as one
+// sequential stream. One kernel serves every batch size: a single decode row is bound by reading the weight
+// (the stream keeps the hardware prefetchers busy; oneDNN's packed layout read ~15 GB/s at one row on an Intel
+// Xeon where this reads at the memory's pace), 64+ rows are bound by multiplies (a tile of MR rows by NR columns
+// is kept in registers, the panel in L2, the rows' slice of x in L1/L2).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+namespace {
+
+// One machine vector of floats (GCC vector extensions: AVX-512, AVX2 or NEON registers without intrinsics) and
+// the tile shape that keeps MR x 2 accumulators plus two weight vectors within the register file.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kTileRows = 12;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+constexpr int kTileRows = 6;
+#else
+constexpr int kLanes = 4;
+constexpr int kTileRows = 8;
+#endif
+constexpr int kPanel = 2 * kLanes;
+constexpr int64_t kPrefetch = 16;  // k steps ahead            // NR: output columns per panel
+constexpr int64_t kRowBlockBytes = 1 << 19;  // x rows per pass over the panels: their slice stays in L2
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Rows [0, ROWS) of x times one panel: out[r, 0:columns] (columns < kPanel only in the last panel).
+template <int ROWS>
+void tile(const float* x, int64_t K, const float* panel, const float* bias, float* out, int64_t N, int columns) {
+  vec acc[ROWS][2] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    __builtin_prefetch(panel + (k + kPrefetch) * kPanel);
+    __builtin_prefetch(panel + (k + kPrefetch) * kPanel + kLanes);
+    const vec w0 = load(panel + k * kPanel), w1 = load(panel + k * kPanel + kLanes);
+    for (int r = 0; r < ROWS; ++r) {
+      const float xr = x[r * K + k];
+      acc[r][0] += xr * w0;
+      acc[r][1] += xr * w1;
+    }
+  }
+  if (bias != nullptr) {
+    vec b[2];
+    float padded[kPanel] = {};
+    std::memcpy(padded, bias, columns * sizeof(float));
+    b[0] = load(padded);
+    b[1] = load(padded + kLanes);
+    for (int r = 0; r < ROWS; ++r) acc[r][0] += b[0], acc[r][1] += b[1];
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    if (columns == kPanel) {
+      store(out + r * N, acc[r][0]);
+      store(out + r * N + kLanes, acc[r][1]);
+    } else {
+      float full[kPanel];
+      store(full, acc[r][0]);
+      store(full + kLanes, acc[r][1]);
+      std::memcpy(out + r * N, full, columns * sizeof(float));
+    }
+  }
+}
+
+template <int ROWS>
+void tile_upto(int rows, const float* x, int64_t K, const float* panel, const float* bias, float* out, int64_t N,
+               int columns) {
+  if constexpr (ROWS > 1) {
+    if (rows < ROWS) return tile_upto<ROWS - 1>(rows, x, K, panel, bias, out, N, columns);
+  }
+  tile<ROWS>(x, K, panel, bias, out, N, columns);
+}
+
+// [N, K] -> [ceil(N / NR), K, NR], the last panel padded with zero columns.
+at::Tensor pack_linear_weight(const at::Tensor& w_in) {
+  TORCH_CHECK(w_in.scalar_type() == at::kFloat && w_in.dim() == 2, "pack_linear_weight: a float32 [N, K] weight");
+  const at::Tensor w = w_in.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel;
+  at::Tensor packed = at::zeros({panels, K, kPanel}, w.options());
+  const float* src = w.const_data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
+      for (int64_t j = 0; j < columns; ++j) {
+        const float* row = src + (p * kPanel + j) * K;
+        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + j] = row[k];
+      }
+    }
+  });
+  return packed;
+}
+
+at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
+                         const std::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "packed_linear: float32 only");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
+              "packed_linear: the weight must come from pack_linear_weight on this machine");
+  const int64_t K = packed.size(1), panels = packed.size(0);
+  TORCH_CHECK(x_in.size(-1) == K, "packed_linear: x has ", x_in.size(-1), " features, the weight ", K);
+  TORCH_CHECK(N > (panels - 1) * kPanel && N <= panels * kPanel, "packed_linear: N does not match the panels");
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor bias;
+  if (bias_in.has_value()) {
+    bias = bias_in->contiguous();
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == N, "packed_linear: bias must be float32 [N]");
+  }
+  auto out_sizes = x_in.sizes().vec();
+  out_sizes.back() = N;
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float* xd = x.const_data_ptr<float>();
+  const float* wd = packed.const_data_ptr<float>();
+  const float* bd = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
+  float* od = out.data_ptr<float>();
+  const int64_t block = std::max<int64_t>(kTileRows, kRowBlockBytes / (K * 4) / kTileRows * kTileRows);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+      const int64_t m1 = std::min(M, m0 + block);
+      for (int64_t p = begin; p < end; ++p) {
+        const float* panel = wd + p * K * kPanel;
+        const int columns = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
+        const float* bp = bd ? bd + p * kPanel : nullptr;
+        for (int64_t m = m0; m < m1; m += kTileRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m1 - m));
+          tile_upto<kTileRows>(rows, xd + m * K, K, panel, bp, od + m * N + p * kPanel, N, columns);
+        }
+      }
+    }
+  });
+  return out.view(out_sizes);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
+  m.def("pack_linear_weight(Tensor w) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor");
+  m.impl("pack_linear_weight", c10::DispatchKey::CPU, &pack_linear_weight);
+  m.impl("packed_linear", c10::DispatchKey::CPU, &packed_linear);
+}
