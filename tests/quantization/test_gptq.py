@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from heteroserve.platforms.cpu import CpuLinear, _int4_kernel_works, _int8_kernel_works
+from heteroserve.platforms.cpu_packed import CpuPackedWeight
 from heteroserve.platforms.operators import LinearOp
 from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.gptq import GptqConfig, gptq_weight
@@ -118,7 +119,7 @@ def test_gptq_runs_compressed_and_detects_its_format(gptq_folder, tmp_path):
     model = tiny.llm().engine.runner.model
     assert not isinstance(model.layers[0].self_attn.qkv_proj, torch.Tensor)
     float_model = tiny.llm(quantization="none").engine.runner.model
-    assert isinstance(float_model.layers[0].self_attn.qkv_proj, torch.Tensor)
+    assert isinstance(float_model.layers[0].self_attn.qkv_proj, (torch.Tensor, CpuPackedWeight))  # float32
     assert model.weight_bytes() < 0.6 * float_model.weight_bytes()  # embeddings and LM head stay float
     tiny.llm(quantization="gptq")  # the matching override is accepted
     for wrong, message in (("awq", "not a AWQ checkpoint"), ("gguf", "not a GGUF file"), ("int4", "already")):

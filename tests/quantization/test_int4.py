@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType
 from heteroserve import LLM, SamplingParams
 from heteroserve.platforms.cpu import _int4_kernel_works
 from heteroserve.platforms.cpu_int4 import BF16_GEMM_MIN_ROWS, CpuInt4Weight
+from heteroserve.platforms.cpu_packed import CpuPackedWeight
 from heteroserve.platforms.operators import LinearOp
 from heteroserve.quantization.int4 import Int4Weight, quantize_int4
 from tests.model.test_gguf import COMMON_GGUF, write_gguf
@@ -75,7 +76,7 @@ def test_q4_gguf_runs_compressed_and_matches_its_dequantised_self(q4_gguf):
     float_model = LLM(str(q4_gguf), max_model_len=128, num_kv_blocks=32, quantization="none")
     layer = quantized.engine.runner.model.layers[0]
     assert isinstance(layer.gate_up_proj, (Int4Weight, CpuInt4Weight))
-    assert isinstance(float_model.engine.runner.model.layers[0].gate_up_proj, torch.Tensor)
+    assert isinstance(float_model.engine.runner.model.layers[0].gate_up_proj, (torch.Tensor, CpuPackedWeight))
     assert quantized.engine.runner.model.weight_bytes() < 0.5 * float_model.engine.runner.model.weight_bytes()
     vocab = quantized.engine.runner.arch.vocab_size
     ids = prompts(7, [40], vocab)[0]
