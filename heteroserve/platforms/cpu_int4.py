@@ -1,11 +1,11 @@
-"""4-bit weights for torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`).
+"""4-bit weights in the layout of torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`).
 
-The kernel is fast only with bfloat16 activations (AVX-512 BF16 micro-kernels), so activations are rounded
-to bfloat16 inside it. Measured on a 2-core AVX-512 machine for SmolLM2's projections: at one row it reads
-4 bits a weight and beats float32 oneDNN several times over (decode); from 8 rows on it costs 1.0-1.4x
-float32 oneDNN, while dequantising to float32 on the fly first costs 2-40x. So every batch size uses it.
-It accepts groups of 32, 64, 128 or 256 input columns; larger groups (GPTQ per-channel) are described with
-smaller ones by repeating their scales.
+The kernel rounds activations to bfloat16 and is fast only with native bfloat16 (AVX512-BF16 micro-kernels).
+Measured on a 2-core AVX-512 machine for SmolLM2's projections: at one row it reads 4 bits a weight and beats
+float32 oneDNN several times over (decode). Batches of `PANEL_MIN_ROWS` rows and more go to our C++ kernel on
+the same layout (dequantised block by block into cache, float32 arithmetic), prefill batches on CPUs with
+native bfloat16 to one bfloat16 GEMM. The kernel accepts groups of 32, 64, 128 or 256 input columns; larger
+groups (GPTQ per-channel) are described with smaller ones by repeating their scales.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from heteroserve.platforms import cpu_kernels
 from heteroserve.quantization.int4 import Int4Weight
 
 _BLOCK_N = 64  # the kernel's packed layout: [N / 64, K, 32] bytes, rows j and j + 32 of a block in one byte
@@ -23,6 +24,12 @@ _BLOCK_N = 64  # the kernel's packed layout: [N / 64, K, 32] bytes, rows j and j
 # kernel's 45 ms (gate/up), 0.9 + 9.4 against 23 (down); break-even near 256 rows. Same error as the kernel's
 # (relative ~3e-3, from the bfloat16 activations both round to).
 BF16_GEMM_MIN_ROWS = 512
+# From this many rows (below the bfloat16 GEMM's bound, or at any size without native bfloat16) our C++ kernel
+# (csrc/int4_panel_linear.cpp) dequantises each block of 64 rows into cache and multiplies it there in float32.
+# SmolLM2's 120 projections on a 2-core Intel Xeon without AVX512-BF16: 8 rows 16.3 ms against torch's kernel's
+# 16.8, 16 rows 24.4 vs 30.7, 64 rows 74.9 vs 128.6 (the float32 GEMM: 79.6), 512 rows 510 vs 935; at 1-4 rows
+# torch's kernel, which reads the 4 bits without expanding them, is faster (6.1 vs 12.1 ms at one row).
+PANEL_MIN_ROWS = 8
 KERNEL_GROUPS = (256, 128, 64, 32)
 
 
@@ -51,7 +58,7 @@ class CpuInt4Weight:
         n, k = weight.shape
         sz = torch.stack((regrouped.scale.t(), regrouped.zero.t()), dim=-1).to(torch.bfloat16).contiguous()
         blocks = packed.view(n // _BLOCK_N, k, _BLOCK_N // 2)
-        return cls(blocks, sz, weight.scale, weight.zero, weight.group_size, bf16_gemm)
+        return cls(blocks, sz, weight.scale.contiguous(), weight.zero.contiguous(), weight.group_size, bf16_gemm)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -76,8 +83,12 @@ class CpuInt4Weight:
         return ((groups - 8) * self.scale[..., None] + self.zero[..., None]).view(n, k).to(dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.bf16_gemm and x.shape[0] >= BF16_GEMM_MIN_ROWS:
+        rows = x.shape[0]
+        if self.bf16_gemm and rows >= BF16_GEMM_MIN_ROWS:
             out = F.linear(x.to(torch.bfloat16), self.dequantize(torch.bfloat16)).to(x.dtype)
+            return out if bias is None else out + bias
+        if rows >= PANEL_MIN_ROWS and x.dtype == torch.float32 and cpu_kernels.load_library():
+            out = torch.ops.heteroserve.int4_panel_linear(x, self.packed, self.scale, self.zero)
             return out if bias is None else out + bias
         n, k = self.shape
         packed = self.packed.view(n, k // 2)

@@ -16,76 +16,11 @@
 #include <cstring>
 #include <optional>
 
+#include "packed_tile.h"
+
 namespace {
 
-// One machine vector of floats (GCC vector extensions: AVX-512, AVX2 or NEON registers without intrinsics) and
-// the tile shape that keeps MR x 2 accumulators plus two weight vectors within the register file.
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-constexpr int kTileRows = 12;
-#elif defined(__AVX__)
-constexpr int kLanes = 8;
-constexpr int kTileRows = 6;
-#else
-constexpr int kLanes = 4;
-constexpr int kTileRows = 8;
-#endif
-constexpr int kPanel = 2 * kLanes;
-constexpr int64_t kPrefetch = 16;  // k steps ahead            // NR: output columns per panel
-constexpr int64_t kRowBlockBytes = 1 << 19;  // x rows per pass over the panels: their slice stays in L2
-typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
-
-// Rows [0, ROWS) of x times one panel: out[r, 0:columns] (columns < kPanel only in the last panel).
-template <int ROWS>
-void tile(const float* x, int64_t K, const float* panel, const float* bias, float* out, int64_t N, int columns) {
-  vec acc[ROWS][2] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    __builtin_prefetch(panel + (k + kPrefetch) * kPanel);
-    __builtin_prefetch(panel + (k + kPrefetch) * kPanel + kLanes);
-    const vec w0 = load(panel + k * kPanel), w1 = load(panel + k * kPanel + kLanes);
-    for (int r = 0; r < ROWS; ++r) {
-      const float xr = x[r * K + k];
-      acc[r][0] += xr * w0;
-      acc[r][1] += xr * w1;
-    }
-  }
-  if (bias != nullptr) {
-    vec b[2];
-    float padded[kPanel] = {};
-    std::memcpy(padded, bias, columns * sizeof(float));
-    b[0] = load(padded);
-    b[1] = load(padded + kLanes);
-    for (int r = 0; r < ROWS; ++r) acc[r][0] += b[0], acc[r][1] += b[1];
-  }
-  for (int r = 0; r < ROWS; ++r) {
-    if (columns == kPanel) {
-      store(out + r * N, acc[r][0]);
-      store(out + r * N + kLanes, acc[r][1]);
-    } else {
-      float full[kPanel];
-      store(full, acc[r][0]);
-      store(full + kLanes, acc[r][1]);
-      std::memcpy(out + r * N, full, columns * sizeof(float));
-    }
-  }
-}
-
-template <int ROWS>
-void tile_upto(int rows, const float* x, int64_t K, const float* panel, const float* bias, float* out, int64_t N,
-               int columns) {
-  if constexpr (ROWS > 1) {
-    if (rows < ROWS) return tile_upto<ROWS - 1>(rows, x, K, panel, bias, out, N, columns);
-  }
-  tile<ROWS>(x, K, panel, bias, out, N, columns);
-}
+using namespace heteroserve;
 
 // [N, K] -> [ceil(N / NR), K, NR], the last panel padded with zero columns.
 at::Tensor pack_linear_weight(const at::Tensor& w_in) {
@@ -129,18 +64,13 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& packed, int64
   const float* wd = packed.const_data_ptr<float>();
   const float* bd = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
   float* od = out.data_ptr<float>();
-  const int64_t block = std::max<int64_t>(kTileRows, kRowBlockBytes / (K * 4) / kTileRows * kTileRows);
+  const int64_t block = row_block(K);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += block) {
-      const int64_t m1 = std::min(M, m0 + block);
       for (int64_t p = begin; p < end; ++p) {
-        const float* panel = wd + p * K * kPanel;
         const int columns = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
-        const float* bp = bd ? bd + p * kPanel : nullptr;
-        for (int64_t m = m0; m < m1; m += kTileRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m1 - m));
-          tile_upto<kTileRows>(rows, xd + m * K, K, panel, bp, od + m * N + p * kPanel, N, columns);
-        }
+        panel_rows(xd, m0, std::min(M, m0 + block), K, wd + p * K * kPanel, bd ? bd + p * kPanel : nullptr,
+                   od + p * kPanel, N, columns);
       }
     }
   });
