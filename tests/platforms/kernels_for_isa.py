@@ -1,0 +1,44 @@
+"""Builds the CPU kernels for another instruction set (`-march=NAME`) and runs the kernel tests against that
+build, in this process: `python tests/platforms/kernels_for_isa.py haswell` checks the AVX2 code paths (16-wide
+panels) on an AVX-512 machine, `x86-64` the generic ones (8-wide panels, the layout NEON gets)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import tempfile
+
+import pytest
+import torch
+from torch.utils.cpp_extension import load
+
+from heteroserve.platforms import cpu_kernels
+
+TESTS = [
+    "tests/platforms/test_cpu_packed_linear.py",
+    "tests/platforms/test_cpu_kernels.py",
+    "tests/quantization/test_int4.py",
+    "tests/quantization/test_int8.py",
+]
+
+
+def main(march: str) -> int:
+    flags = [f"-march={march}" if f.startswith("-march") else f for f in cpu_kernels.CFLAGS]
+    cpu_kernels._put_ninja_on_path()
+    load(
+        name=f"heteroserve_kernels_{march.replace('-', '_')}",
+        sources=[str(path) for path in cpu_kernels.SOURCES],
+        extra_cflags=flags,
+        extra_include_paths=[str(cpu_kernels.CSRC)],
+        extra_ldflags=["-fopenmp"],
+        build_directory=tempfile.mkdtemp(),
+        is_python_module=False,
+    )
+    cpu_kernels.load_library = functools.cache(lambda: True)  # the ops are registered: never load the native build
+    panel = torch.ops.heteroserve.pack_linear_weight(torch.randn(1, 1)).shape[2]
+    print(f"-march={march}: GEMM panels {panel} wide")
+    return pytest.main(["-q", "-p", "no:cacheprovider", *TESTS, "-k", "not failed_build and not build_directory"])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,24 @@
+"""The C++ kernels' AVX2 and generic (NEON-shaped) code paths, built and tested on this machine (slow set:
+~40 s of compiling per instruction set)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("march,panel", [("haswell", 16), ("x86-64", 8)])
+def test_kernels_built_for_another_isa_pass_the_kernel_tests(march, panel):
+    if sys.platform != "linux" or not Path("/proc/cpuinfo").read_text().count("avx2"):
+        pytest.skip("needs an x86-64 CPU with AVX2 to run the builds")
+    run = subprocess.run(
+        [sys.executable, "tests/platforms/kernels_for_isa.py", march], cwd=ROOT, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert f"GEMM panels {panel} wide" in run.stdout
