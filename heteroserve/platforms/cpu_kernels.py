@@ -9,7 +9,8 @@
   every batch size, called by cpu_packed.CpuPackedWeight through the platform's linear op; `int4_panel_linear`
   (csrc/int4_panel_linear.cpp) runs the same tile on 4-bit weights dequantised block by block (cpu_int4).
 - `torch.ops.heteroserve.int8_grouped_linear` (csrc/int8_grouped_linear.cpp): grouped 8-bit weights read in
-  place for decode batches, called by cpu_int8.CpuGroupedInt8Weight rather than through the operator table.
+  place for decode batches, called by cpu_int8.CpuGroupedInt8Weight rather than through the operator table;
+  `int8_grouped_dequantize` expands the slices larger batches multiply in cache.
 
 The library is built for this machine's CPU (-march=native), so its build directory is named by a hash of the
 CPU's flags, the compiler flags, torch's version and the sources: a cache shared between different CPUs, or
