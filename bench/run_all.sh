@@ -22,7 +22,7 @@ heteroserve bench throughput --scenario B --peer llama-cpp --hf-requests 2 --out
 heteroserve bench throughput --quantization none --kernels reference --scenario B \
     --output-json bench/results/scenario_b_reference_kernels.json
 heteroserve bench serve --quantization none --gateway --no-compare-offline --concurrency 16 --num-requests 16 \
-    --input-len 128 --output-len 64 --ttft-requests 20 --output-json bench/results/gateway_overhead.json
+    --input-len 128 --output-len 64 --ttft-requests 40 --output-json bench/results/gateway_overhead.json
 # Vision-language: the tests' tiny random Qwen2-VL, one 448x448 image, against transformers.
 VL_DIR=$(mktemp -d)
 python -c "import sys; from pathlib import Path; from tests.model.tiny_vl import save_tiny_vl; save_tiny_vl('qwen2_vl', Path(sys.argv[1]))" "$VL_DIR"
