@@ -108,24 +108,30 @@ def load_library() -> bool:
     """Builds or loads the library once per process; False (after one warning) when it cannot be built here,
     e.g. without a C++ compiler: the platform then keeps the reference operators."""
     try:
-        from torch.utils.cpp_extension import load  # imports setuptools: only when the kernels are wanted
-
-        _put_ninja_on_path()
         directory = build_directory()
         directory.mkdir(parents=True, exist_ok=True)
-        load(
-            name=directory.name,
-            sources=[str(path) for path in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_include_paths=[str(CSRC)],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            is_python_module=False,
-        )
+        compile_and_load(directory, CFLAGS)
         return True
     except Exception as exc:  # noqa: BLE001 - any build or load failure means "use the reference"
         logger.warning("the CPU C++ kernels could not be built (%s); using the torch reference operators", exc)
         return False
+
+
+def compile_and_load(directory: Path, cflags: list[str]) -> None:
+    """Compiles the sources with `cflags` into `directory` (named after it) and registers their operators in
+    torch.ops.heteroserve; a process can hold one such build."""
+    from torch.utils.cpp_extension import load  # imports setuptools: only when the kernels are wanted
+
+    _put_ninja_on_path()
+    load(
+        name=directory.name,
+        sources=[str(path) for path in SOURCES],
+        extra_cflags=cflags,
+        extra_include_paths=[str(CSRC)],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+    )
 
 
 def _put_ninja_on_path() -> None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import functools
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.cpp_extension import load
 
 from heteroserve.platforms import cpu_kernels
 
@@ -24,16 +24,9 @@ TESTS = [
 
 def main(march: str) -> int:
     flags = [f"-march={march}" if f.startswith("-march") else f for f in cpu_kernels.CFLAGS]
-    cpu_kernels._put_ninja_on_path()
-    load(
-        name=f"heteroserve_kernels_{march.replace('-', '_')}",
-        sources=[str(path) for path in cpu_kernels.SOURCES],
-        extra_cflags=flags,
-        extra_include_paths=[str(cpu_kernels.CSRC)],
-        extra_ldflags=["-fopenmp"],
-        build_directory=tempfile.mkdtemp(),
-        is_python_module=False,
-    )
+    directory = Path(tempfile.mkdtemp()) / f"heteroserve_kernels_{march.replace('-', '_')}"
+    directory.mkdir()
+    cpu_kernels.compile_and_load(directory, flags)
     cpu_kernels.load_library = functools.cache(lambda: True)  # the ops are registered: never load the native build
     panel = torch.ops.heteroserve.pack_linear_weight(torch.randn(1, 1)).shape[2]
     print(f"-march={march}: GEMM panels {panel} wide")

@@ -59,6 +59,14 @@ inline float sum_lanes(f32x16 v) {
   return total;
 }
 
+// The optional per-group zero, contiguous and shaped like scale (undefined when there is none).
+at::Tensor checked_zero(const std::optional<at::Tensor>& zero_in, const at::Tensor& scale) {
+  if (!zero_in.has_value()) return at::Tensor();
+  const at::Tensor zero = zero_in->contiguous();
+  TORCH_CHECK(zero.scalar_type() == at::kFloat && zero.sizes() == scale.sizes(), "zero must match scale");
+  return zero;
+}
+
 // Output n for input rows [m0, m0 + ROWS): the weight row is read once, 16 weights at a time.
 template <int ROWS>
 void dot_rows(const float* x, int64_t K, const int8_t* q, const float* scale, const float* zero, int64_t G, float* out,
@@ -86,11 +94,7 @@ at::Tensor int8_grouped_linear(const at::Tensor& x_in, const at::Tensor& q_in, c
   TORCH_CHECK(scale.size(0) == N && groups > 0 && K % groups == 0, "scale must be [N, K / group]");
   const int64_t G = K / groups;
   TORCH_CHECK(G % kLanes == 0, "group size ", G, " is not a multiple of ", kLanes);
-  at::Tensor zero;
-  if (zero_in.has_value()) {
-    zero = zero_in->contiguous();
-    TORCH_CHECK(zero.scalar_type() == at::kFloat && zero.sizes() == scale.sizes(), "zero must match scale");
-  }
+  const at::Tensor zero = checked_zero(zero_in, scale);
   at::Tensor out = at::empty({M, N}, x.options());
   const float* xd = x.const_data_ptr<float>();
   const int8_t* qd = q.const_data_ptr<int8_t>();
@@ -130,11 +134,7 @@ void int8_grouped_dequantize(const at::Tensor& q_in, const at::Tensor& scale_in,
   const int64_t N = q.size(0), K = q.size(1), groups = scale.size(1);
   TORCH_CHECK(scale.size(0) == N && groups > 0 && K % groups == 0 && (K / groups) % kLanes == 0,
               "int8_grouped_dequantize: scale must be [n, K / group] with groups of a multiple of ", kLanes);
-  at::Tensor zero;
-  if (zero_in.has_value()) {
-    zero = zero_in->contiguous();
-    TORCH_CHECK(zero.scalar_type() == at::kFloat && zero.sizes() == scale.sizes(), "zero must match scale");
-  }
+  const at::Tensor zero = checked_zero(zero_in, scale);
   const int64_t G = K / groups;
   const int8_t* qd = q.const_data_ptr<int8_t>();
   const float* sd = scale.const_data_ptr<float>();
