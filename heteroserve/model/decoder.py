@@ -20,8 +20,8 @@ from heteroserve.distributed.sharding import ModelShard
 from heteroserve.model.arch import ModelArch
 from heteroserve.model.layers.attention import AttentionMetadata, paged_attention
 from heteroserve.model.layers.norm import RMSNorm
-from heteroserve.model.layers.rotary import rotary_embedding
-from heteroserve.platforms.operators import OperatorTable
+from heteroserve.model.layers.rotary import RotaryEmbedding, rotary_embedding
+from heteroserve.platforms.operators import DecodeLayerWeights, FusedDecodeLayer, OperatorTable
 
 
 def _tensors_of(weight) -> list[torch.Tensor]:
@@ -91,8 +91,31 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.gate_up_proj = _weight(2 * arch.intermediate_size, arch.hidden_size)
         self.down_proj = _weight(arch.hidden_size, arch.intermediate_size)
+        self.fused_decode: FusedDecodeLayer | None = None  # the platform's one-call layer for decode-only steps
+
+    def fuse_for_decode(self, rotary: RotaryEmbedding) -> None:
+        """Binds the platform's fused decode layer to this layer's prepared weights, where it has one."""
+        attn = self.self_attn
+        self.fused_decode = self.ops.fuse_decode_layer(
+            DecodeLayerWeights(
+                input_norm=self.input_layernorm.weight.data,
+                qkv=attn.qkv_proj,
+                qkv_bias=None if attn.qkv_bias is None else attn.qkv_bias.data,
+                o_proj=attn.o_proj,
+                post_norm=self.post_attention_layernorm.weight.data,
+                gate_up=self.gate_up_proj,
+                down=self.down_proj,
+                eps=self.input_layernorm.eps,
+                num_heads=attn.num_heads,
+                scale=attn.scale,
+                cos=rotary.cos,
+                sin=rotary.sin,
+            )
+        )
 
     def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
+        if self.fused_decode is not None and not meta.prefills:
+            return self.fused_decode(x, positions, kv_cache[0], kv_cache[1], meta)
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
         gate_up = self.linear(self.post_attention_layernorm(x), self.gate_up_proj)
         return x + self.parallel.all_reduce(self.linear(self.ops.silu_and_mul(gate_up), self.down_proj))
@@ -135,6 +158,11 @@ class DecoderModel(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         # A tied head gets its own prepared copy: the embedding lookup needs the plain layout.
         self._prepare(self, "lm_head", head, self.linear.prepare_lm_head)
+        # The fused layer does what forward does with one rank, plain rotary and no q/k norm.
+        plain = type(self.rotary) is RotaryEmbedding and not self.arch.qk_norm and self.parallel.tp_size == 1
+        if plain and self.ops.fuse_decode_layer is not None:
+            for layer in self.layers:
+                layer.fuse_for_decode(self.rotary)
 
     def _prepare(self, owner: nn.Module, name: str, weight, prepare=None) -> None:
         prepare = prepare or self.linear.prepare

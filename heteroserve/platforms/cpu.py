@@ -11,11 +11,12 @@ import torch
 
 from heteroserve.config import DEFAULT_CPU_KV_CACHE_BYTES
 from heteroserve.platforms import cpu_kernels
+from heteroserve.platforms.cpu_decode_layer import fuse_decode_layer
 from heteroserve.platforms.cpu_int4 import CpuInt4Weight
 from heteroserve.platforms.cpu_int8 import CpuGroupedInt8Weight, CpuInt8Weight
 from heteroserve.platforms.cpu_packed import CpuPackedWeight
 from heteroserve.platforms.interface import Platform
-from heteroserve.platforms.operators import Kernel, LinearOp
+from heteroserve.platforms.operators import DecodeLayerFuser, Kernel, LinearOp
 from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.int4 import Int4Weight
 from heteroserve.quantization.int8 import Int8Weight
@@ -256,6 +257,11 @@ class CpuPlatform(Platform):
         if kernels == "auto":
             table.update({name: k for name, k in cpu_kernels.kernels_for(dtype).items() if name in table})
         return table
+
+    def decode_layer_fuser(self, dtype: torch.dtype, kernels: str = "auto") -> DecodeLayerFuser | None:
+        if kernels == "auto" and dtype == torch.float32 and cpu_kernels.load_library():
+            return fuse_decode_layer
+        return None
 
     def kv_cache_budget_bytes(self, requested: int | None, memory_utilization: float | None = None) -> int:
         """Host memory is shared with everything else on the machine, so the CPU budget is a fixed size

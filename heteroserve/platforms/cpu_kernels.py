@@ -8,6 +8,8 @@
 - `torch.ops.heteroserve.pack_linear_weight` / `packed_linear` (csrc/packed_linear.cpp): the float32 GEMM for
   every batch size, called by cpu_packed.CpuPackedWeight through the platform's linear op; `int4_panel_linear`
   (csrc/int4_panel_linear.cpp) runs the same tile on 4-bit weights dequantised block by block (cpu_int4).
+- `torch.ops.heteroserve.decode_layer` (csrc/decode_layer.cpp): the kernels above chained for one decoder layer
+  of a decode-only step (cpu_decode_layer.py), so that no Python runs between them.
 - `torch.ops.heteroserve.int8_grouped_linear` (csrc/int8_grouped_linear.cpp): grouped 8-bit weights read in
   place for decode batches, called by cpu_int8.CpuGroupedInt8Weight rather than through the operator table;
   `int8_grouped_dequantize` expands the slices larger batches multiply in cache.

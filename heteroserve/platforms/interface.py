@@ -8,7 +8,14 @@ from types import ModuleType
 
 import torch
 
-from heteroserve.platforms.operators import OPERATORS, Kernel, LinearOp, OperatorTable, means_unsupported
+from heteroserve.platforms.operators import (
+    OPERATORS,
+    DecodeLayerFuser,
+    Kernel,
+    LinearOp,
+    OperatorTable,
+    means_unsupported,
+)
 
 DTYPES = {
     "float32": torch.float32,
@@ -129,7 +136,13 @@ class Platform:
             self.operator_kernels(dtype, kernels),
             self.operator_fallbacks,
             self.is_unsupported_error,
+            self.decode_layer_fuser(dtype, kernels),
         )
+
+    def decode_layer_fuser(self, dtype: torch.dtype, kernels: str = "auto") -> DecodeLayerFuser | None:
+        """A platform whose kernels can run a whole decoder layer of a decode step in one call returns the
+        function that binds one to a layer's weights; None keeps the layer operator by operator."""
+        return None
 
     @classmethod
     def vendor_version(cls) -> str | None:

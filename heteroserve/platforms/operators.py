@@ -55,6 +55,30 @@ class LinearOp:
 
 
 @dataclass(frozen=True)
+class DecodeLayerWeights:
+    """A decoder layer as a fused decode kernel needs it: weights as the linear op prepared them."""
+
+    input_norm: torch.Tensor
+    qkv: object
+    qkv_bias: torch.Tensor | None
+    o_proj: object
+    post_norm: torch.Tensor
+    gate_up: object
+    down: object
+    eps: float
+    num_heads: int
+    scale: float
+    cos: torch.Tensor  # the rotary tables [max_positions, head_dim]
+    sin: torch.Tensor
+
+
+# (x, positions, k_cache, v_cache, AttentionMetadata of a decode-only step) -> the layer's output.
+FusedDecodeLayer = Callable[..., torch.Tensor]
+# Given a layer's weights, the platform's one-call decode layer for them, or None where it has none.
+DecodeLayerFuser = Callable[[DecodeLayerWeights], FusedDecodeLayer | None]
+
+
+@dataclass(frozen=True)
 class OperatorSpec:
     reference: Kernel
     mutates: tuple[int, ...] = ()  # positional arguments written in place: copied back after a CPU fallback
@@ -97,6 +121,7 @@ class OperatorTable:
         kernels: Mapping[str, Kernel],
         fallbacks: Counter[str] | None = None,
         is_unsupported: Callable[[BaseException], bool] = means_unsupported,
+        fuse_decode_layer: DecodeLayerFuser | None = None,
     ) -> None:
         unknown = set(kernels) - set(OPERATORS)
         if unknown:
@@ -105,6 +130,7 @@ class OperatorTable:
         self.kernels = dict(kernels)
         self.fallbacks = fallbacks if fallbacks is not None else Counter()
         self.is_unsupported = is_unsupported
+        self.fuse_decode_layer = fuse_decode_layer  # optional: the operators above, chained in one call
         self._logged: set[str] = set()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -174,6 +200,9 @@ class OperatorTable:
         for name in OPERATORS:
             kernel = self.kernels.get(name)
             names[name] = CPU_FALLBACK if kernel is None else kernel_name(kernel)
+        names["decode_layer"] = (
+            kernel_name(self.fuse_decode_layer) if self.fuse_decode_layer else "operator by operator"
+        )
         return names
 
 

@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels.h"
 #include "vector_math.h"
 
 namespace {
@@ -25,6 +26,10 @@ int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, kGrainEle
 void check_float32(const at::Tensor& t, const char* name) {
   TORCH_CHECK_NOT_IMPLEMENTED(t.scalar_type() == at::kFloat, name, ": the fused CPU kernel takes float32 only");
 }
+
+}  // namespace
+
+namespace heteroserve {
 
 // y = x / sqrt(mean(x^2) + eps) * weight over the last dimension.
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double eps) {
@@ -78,7 +83,7 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
 }
 
 // Rotate-half rotary embedding of one [heads, D] token row into a contiguous output.
-inline void rotate(const float* x, int64_t head_stride, int64_t heads, int64_t D, const float* cos, const float* sin,
+static void rotate(const float* x, int64_t head_stride, int64_t heads, int64_t D, const float* cos, const float* sin,
                    float* out) {
   const int64_t half = D / 2;
   for (int64_t h = 0; h < heads; ++h) {
@@ -121,13 +126,13 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions_in, const 
   return {q_out, k_out};
 }
 
-}  // namespace
+}  // namespace heteroserve
 
 TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary(Tensor positions, Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
-  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
-  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
-  m.impl("rotary", c10::DispatchKey::CPU, &rotary);
+  m.impl("rms_norm", c10::DispatchKey::CPU, &heteroserve::rms_norm);
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &heteroserve::silu_and_mul);
+  m.impl("rotary", c10::DispatchKey::CPU, &heteroserve::rotary);
 }

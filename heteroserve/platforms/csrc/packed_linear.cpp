@@ -16,11 +16,10 @@
 #include <cstring>
 #include <optional>
 
+#include "kernels.h"
 #include "packed_tile.h"
 
-namespace {
-
-using namespace heteroserve;
+namespace heteroserve {
 
 // [N, K] -> [ceil(N / NR), K, NR], the last panel padded with zero columns.
 at::Tensor pack_linear_weight(const at::Tensor& w_in) {
@@ -70,18 +69,18 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& packed, int64
       for (int64_t p = begin; p < end; ++p) {
         const int columns = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
         panel_rows(xd, m0, std::min(M, m0 + block), K, wd + p * K * kPanel, bd ? bd + p * kPanel : nullptr,
-                   od + p * kPanel, N, columns);
+                   od + p * kPanel, N, columns, p + 1 < end ? wd + (p + 1) * K * kPanel : nullptr);
       }
     }
   });
   return out.view(out_sizes);
 }
 
-}  // namespace
+}  // namespace heteroserve
 
 TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
   m.def("pack_linear_weight(Tensor w) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor");
-  m.impl("pack_linear_weight", c10::DispatchKey::CPU, &pack_linear_weight);
-  m.impl("packed_linear", c10::DispatchKey::CPU, &packed_linear);
+  m.impl("pack_linear_weight", c10::DispatchKey::CPU, &heteroserve::pack_linear_weight);
+  m.impl("packed_linear", c10::DispatchKey::CPU, &heteroserve::packed_linear);
 }

@@ -35,11 +35,16 @@ inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 
 // Rows [0, ROWS) of x times one panel: out[r, 0:columns] (columns < kPanel only in the last panel).
 template <int ROWS>
-inline void tile(const float* x, int64_t K, const float* panel, const float* bias, float* out, int64_t N, int columns) {
+inline void tile(const float* x, int64_t K, const float* panel, const float* bias, float* out, int64_t N, int columns,
+                 const char* ahead, int64_t ahead_lines) {
   vec acc[ROWS][2] = {};
   for (int64_t k = 0; k < K; ++k) {
     __builtin_prefetch(panel + (k + kPrefetch) * kPanel);
     __builtin_prefetch(panel + (k + kPrefetch) * kPanel + kLanes);
+    if (2 * k < ahead_lines) {
+      __builtin_prefetch(ahead + 2 * k * 64, 0, 2);
+      __builtin_prefetch(ahead + (2 * k + 1) * 64, 0, 2);
+    }
     const vec w0 = load(panel + k * kPanel), w1 = load(panel + k * kPanel + kLanes);
     for (int r = 0; r < ROWS; ++r) {
       const float xr = x[r * K + k];
@@ -70,19 +75,25 @@ inline void tile(const float* x, int64_t K, const float* panel, const float* bia
 
 template <int ROWS>
 inline void tile_upto(int rows, const float* x, int64_t K, const float* panel, const float* bias, float* out, int64_t N,
-               int columns) {
+                      int columns, const char* ahead, int64_t ahead_lines) {
   if constexpr (ROWS > 1) {
-    if (rows < ROWS) return tile_upto<ROWS - 1>(rows, x, K, panel, bias, out, N, columns);
+    if (rows < ROWS) return tile_upto<ROWS - 1>(rows, x, K, panel, bias, out, N, columns, ahead, ahead_lines);
   }
-  tile<ROWS>(x, K, panel, bias, out, N, columns);
+  tile<ROWS>(x, K, panel, bias, out, N, columns, ahead, ahead_lines);
 }
 
-// Rows [m0, m1) of x times one panel, a tile of up to kTileRows rows at a time.
+// Rows [m0, m1) of x times one panel, in tiles of equal height (at most kTileRows). `next`: the panel to be
+// read after this one (or nullptr), fetched into L2 a share per tile while this one's multiplies run.
 inline void panel_rows(const float* x, int64_t m0, int64_t m1, int64_t K, const float* panel, const float* bias,
-                       float* out, int64_t N, int columns) {
-  for (int64_t m = m0; m < m1; m += kTileRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m1 - m));
-    tile_upto<kTileRows>(rows, x + m * K, K, panel, bias, out + m * N, N, columns);
+                       float* out, int64_t N, int columns, const float* next = nullptr) {
+  const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
+  const int64_t lines = next ? K * kPanel * 4 / 64 : 0, share = (lines + tiles - 1) / tiles;
+  for (int64_t t = 0, m = m0; t < tiles; ++t) {
+    const int rows = static_cast<int>((m1 - m + (tiles - t) - 1) / (tiles - t));
+    const int64_t first = std::min(lines, t * share), count = std::min(lines, first + share) - first;
+    tile_upto<kTileRows>(rows, x + m * K, K, panel, bias, out + m * N, N, columns,
+                         reinterpret_cast<const char*>(next) + first * 64, count);
+    m += rows;
   }
 }
 

@@ -13,6 +13,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "kernels.h"
 #include "vector_math.h"
 
 #include <algorithm>
@@ -113,6 +114,10 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
   }
 }
 
+}  // namespace
+
+namespace heteroserve {
+
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& mask_in, double scale) {
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4, "q must be [B, Hq, D] and the caches [N, block_size, Hkv, D]");
@@ -169,10 +174,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   return out;
 }
 
-}  // namespace
+}  // namespace heteroserve
 
 TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor mask, "
         "float scale) -> Tensor");
-  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &heteroserve::paged_decode_attention);
 }

@@ -1,0 +1,19 @@
+// The C++ kernels other kernels call directly (decode_layer.cpp chains them without a Python round trip).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace heteroserve {
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& mask, double scale);
+
+}  // namespace heteroserve

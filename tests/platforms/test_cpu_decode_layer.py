@@ -1,0 +1,79 @@
+"""The CPU platform's one-call decode layer (csrc/decode_layer.cpp) against the same model run operator by
+operator, through the engine: same greedy tokens, same full-vocabulary logprobs at every step. (Both against
+transformers: tests/model/test_architectures.py, which runs with the fused layer on.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heteroserve.platforms import cpu_kernels
+from tests.model.tiny_models import greedy_params, prompts, run, save_tiny
+
+
+@pytest.fixture(scope="module", autouse=True)
+def library() -> None:
+    if not cpu_kernels.load_library():
+        pytest.skip("the C++ kernels cannot be built here (see the warning logged by cpu_kernels)")
+
+
+def _model(llm):
+    return llm.engine.executor.worker.runner.model
+
+
+def _logprob_rows(output) -> torch.Tensor:
+    steps = output.outputs[0].logprobs
+    return torch.tensor([[step[t].logprob for t in sorted(step)] for step in steps])
+
+
+# qwen2: q/k/v biases; mistral: a sliding window shorter than the prompts; llama3: scaled rotary tables.
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "llama3"])
+def test_fused_layer_matches_operator_by_operator(name, tmp_path):
+    tiny = save_tiny(name, tmp_path)
+    llm = tiny.llm(block_size=8)
+    layers = _model(llm).layers
+    fused = [layer.fused_decode for layer in layers]
+    assert all(f is not None for f in fused), "every layer of a float32 model takes the fused decode path"
+    token_prompts = prompts(5, [3, 17, 9, 30], tiny.vocab_size)
+    params = greedy_params(tiny.vocab_size, prompt_logprobs=False)
+
+    with_fused = run(llm, token_prompts, params)
+    for layer in layers:
+        layer.fused_decode = None
+    without = run(llm, token_prompts, params)
+
+    for a, b in zip(with_fused, without, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        torch.testing.assert_close(_logprob_rows(a), _logprob_rows(b), atol=1e-5, rtol=0)
+
+
+def test_not_fused_where_the_layer_does_more(tiny_qwen3):
+    """q/k norms (Qwen3) are not in the fused kernel: such layers stay operator by operator."""
+    llm = tiny_qwen3.llm()
+    assert all(layer.fused_decode is None for layer in _model(llm).layers)
+
+
+def test_reference_kernels_are_never_fused(tmp_path):
+    tiny = save_tiny("llama_tied", tmp_path)
+    llm = tiny.llm(kernels="reference")
+    model = _model(llm)
+    assert all(layer.fused_decode is None for layer in model.layers)
+    assert model.ops.describe()["decode_layer"] == "operator by operator"
+    assert _model(tiny.llm()).ops.describe()["decode_layer"] == "cpp fused decode layer"
+
+
+def test_a_slot_outside_the_cache_is_an_error(tmp_path):
+    tiny = save_tiny("llama_tied", tmp_path)
+    llm = tiny.llm(block_size=8)
+    model = _model(llm)
+    layer = model.layers[0]
+    hidden = model.arch.hidden_size
+    k_cache = torch.zeros(4, 8, model.arch.num_kv_heads, model.arch.head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    meta = type("Meta", (), {})()
+    meta.slot_mapping = torch.tensor([32])  # 4 blocks of 8 slots: 0..31
+    meta.decode_block_tables = torch.tensor([[3]])
+    meta.decode_mask = torch.ones(1, 1, 1, 8, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="slot 32 outside the cache"):
+        layer.fused_decode(torch.randn(1, hidden), torch.tensor([0]), k_cache, v_cache, meta)
+    assert not k_cache.any() and not v_cache.any()
