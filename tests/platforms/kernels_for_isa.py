@@ -17,6 +17,7 @@ from heteroserve.platforms import cpu_kernels
 TESTS = [
     "tests/platforms/test_cpu_packed_linear.py",
     "tests/platforms/test_cpu_kernels.py",
+    "tests/platforms/test_cpu_decode_layer.py",
     "tests/quantization/test_int4.py",
     "tests/quantization/test_int8.py",
 ]
