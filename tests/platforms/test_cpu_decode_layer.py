@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from heteroserve.platforms import cpu_kernels
+from heteroserve.platforms.cpu_int4 import CpuInt4Weight
 from tests.model.tiny_models import greedy_params, prompts, run, save_tiny
 
 
@@ -26,23 +27,27 @@ def _logprob_rows(output) -> torch.Tensor:
     return torch.tensor([[step[t].logprob for t in sorted(step)] for step in steps])
 
 
-# qwen2: q/k/v biases; mistral: a sliding window shorter than the prompts; llama3: scaled rotary tables.
-@pytest.mark.parametrize("name", ["qwen2", "mistral", "llama3"])
-def test_fused_layer_matches_operator_by_operator(name, tmp_path):
+# qwen2: q/k/v biases; mistral: a sliding window shorter than the prompts; llama3: scaled rotary tables;
+# int4: 4-bit projections (torch's int4 kernel below 8 rows, our panel kernel from 8).
+@pytest.mark.parametrize("name,quantization", [("qwen2", None), ("mistral", None), ("llama3", None), ("qwen2", "int4")])
+def test_fused_layer_matches_operator_by_operator(name, quantization, tmp_path):
     tiny = save_tiny(name, tmp_path)
-    llm = tiny.llm(block_size=8)
+    llm = tiny.llm(block_size=8, quantization=quantization)
     layers = _model(llm).layers
+    if quantization == "int4" and not isinstance(layers[0].gate_up_proj, CpuInt4Weight):
+        pytest.skip("torch's CPU int4 kernel is not usable here")
     fused = [layer.fused_decode for layer in layers]
-    assert all(f is not None for f in fused), "every layer of a float32 model takes the fused decode path"
-    token_prompts = prompts(5, [3, 17, 9, 30], tiny.vocab_size)
+    assert all(f is not None for f in fused), "every layer takes the fused decode path"
+    # 9 decode rows (4-bit: the panel kernel), then 3 (4-bit: torch's int4 kernel)
+    batches = [prompts(5, [3, 17, 9, 30, 5, 11, 8, 21, 2], tiny.vocab_size), prompts(6, [4, 19, 7], tiny.vocab_size)]
     params = greedy_params(tiny.vocab_size, prompt_logprobs=False)
 
-    with_fused = run(llm, token_prompts, params)
+    with_fused = [run(llm, batch, params) for batch in batches]
     for layer in layers:
         layer.fused_decode = None
-    without = run(llm, token_prompts, params)
+    without = [run(llm, batch, params) for batch in batches]
 
-    for a, b in zip(with_fused, without, strict=True):
+    for a, b in zip(sum(with_fused, []), sum(without, []), strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         torch.testing.assert_close(_logprob_rows(a), _logprob_rows(b), atol=1e-5, rtol=0)
 

@@ -1,9 +1,10 @@
 // One decoder layer for a batch of decode tokens in a single call: the same kernels the model's Python path
-// calls one by one (RMSNorm, packed GEMM, rotary, KV write, paged decode attention, SiLU-and-multiply), chained
-// here. At one token a step the ~20 operator calls of a layer from Python cost ~200 us against ~700 us of
+// calls one by one (RMSNorm, the float32 or 4-bit GEMMs, rotary, KV write, paged decode attention,
+// SiLU-and-multiply), chained here. At one token a step the ~20 operator calls of a layer from Python cost ~200 us against ~700 us of
 // weight reads, a quarter of the step; chained in C++ they cost a few microseconds.
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/add.h>
 #include <torch/library.h>
 
@@ -33,26 +34,43 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   }
 }
 
-// weights: input norm, qkv (packed), o (packed), post-attention norm, gate_up (packed), down (packed);
-// out_features: N of each packed weight in that order.
-at::Tensor decode_layer(const at::Tensor& x, at::TensorList weights, at::IntArrayRef out_features,
+// A projection as the platform's linear op prepared it: [panels] of float32 (cpu_packed.py), or 4-bit
+// [packed, scales_and_zeros, scale, zero] (cpu_int4.py), which takes torch's int4 kernel below
+// `int4_panel_min_rows` rows and our panel kernel from there, as CpuInt4Weight.matmul does (a decode step of 512+
+// rows, above the default max_num_seqs, also takes the panel kernel where the Python path would round to bfloat16).
+at::Tensor project(const at::Tensor& x, at::TensorList weight, int64_t N, const std::optional<at::Tensor>& bias,
+                   int64_t int4_panel_min_rows) {
+  if (weight.size() == 1) return heteroserve::packed_linear(x, weight[0], N, bias);
+  TORCH_CHECK(weight.size() == 4, "decode_layer: a projection is [panels] or [packed, scales_and_zeros, scale, zero]");
+  at::Tensor out;
+  if (x.size(0) >= int4_panel_min_rows) {
+    out = heteroserve::int4_panel_linear(x, weight[0], weight[2], weight[3]);
+  } else {
+    const int64_t K = weight[0].size(1), group = K / weight[1].size(0);
+    out = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), weight[0].view({N, K / 2}), group, weight[1])
+              .to(at::kFloat);
+  }
+  return bias.has_value() ? out.add_(*bias) : out;
+}
+
+// norms: input and post-attention RMSNorm weights; out_features: N of qkv, o, gate_up and down.
+at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorList qkv_w, at::TensorList o_w,
+                        at::TensorList gate_up_w, at::TensorList down_w, at::IntArrayRef out_features,
                         const std::optional<at::Tensor>& qkv_bias, double eps, const at::Tensor& positions,
                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& mask,
-                        int64_t num_heads, double scale) {
-  TORCH_CHECK(weights.size() == 6 && out_features.size() == 4, "decode_layer: 6 weights and 4 output sizes");
+                        int64_t num_heads, double scale, int64_t int4_panel_min_rows) {
+  TORCH_CHECK(norms.size() == 2 && out_features.size() == 4, "decode_layer: 2 norms and 4 output sizes");
   TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "decode_layer: x [T, hidden] and contiguous caches [blocks, block_size, Hkv, D]");
   TORCH_CHECK_NOT_IMPLEMENTED(x.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
                               "decode_layer: float32 only");
-  const at::Tensor &input_norm = weights[0], &qkv_w = weights[1], &o_w = weights[2];
-  const at::Tensor &post_norm = weights[3], &gate_up_w = weights[4], &down_w = weights[5];
   const int64_t T = x.size(0), Hkv = k_cache.size(2), D = k_cache.size(3);
   const int64_t q_size = num_heads * D, kv_size = Hkv * D;
   TORCH_CHECK(out_features[0] == q_size + 2 * kv_size, "decode_layer: qkv has ", out_features[0], " outputs");
 
-  const at::Tensor qkv = heteroserve::packed_linear(heteroserve::rms_norm(x, input_norm, eps), qkv_w,
-                                                    out_features[0], qkv_bias);
+  const int64_t panel_rows = int4_panel_min_rows;
+  const at::Tensor qkv = project(heteroserve::rms_norm(x, norms[0], eps), qkv_w, out_features[0], qkv_bias, panel_rows);
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
   const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, Hkv, D});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv, D});
@@ -60,17 +78,17 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList weights, at::IntArra
   write_kv(k_rotated, v, k_cache, v_cache, slots);
   const at::Tensor attention =
       heteroserve::paged_decode_attention(q_rotated, k_cache, v_cache, block_tables, mask, scale);
-  at::Tensor h = at::add(x, heteroserve::packed_linear(attention.view({T, q_size}), o_w, out_features[1], {}));
-  const at::Tensor gate_up =
-      heteroserve::packed_linear(heteroserve::rms_norm(h, post_norm, eps), gate_up_w, out_features[2], {});
-  return h.add_(heteroserve::packed_linear(heteroserve::silu_and_mul(gate_up), down_w, out_features[3], {}));
+  at::Tensor h = at::add(x, project(attention.view({T, q_size}), o_w, out_features[1], {}, panel_rows));
+  const at::Tensor gate_up = project(heteroserve::rms_norm(h, norms[1], eps), gate_up_w, out_features[2], {}, panel_rows);
+  return h.add_(project(heteroserve::silu_and_mul(gate_up), down_w, out_features[3], {}, panel_rows));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
-  m.def("decode_layer(Tensor x, Tensor[] weights, int[] out_features, Tensor? qkv_bias, float eps, "
-        "Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
-        "Tensor block_tables, Tensor mask, int num_heads, float scale) -> Tensor");
+  m.def("decode_layer(Tensor x, Tensor[] norms, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, Tensor[] down, "
+        "int[] out_features, Tensor? qkv_bias, float eps, Tensor positions, Tensor cos, Tensor sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor mask, int num_heads, "
+        "float scale, int int4_panel_min_rows) -> Tensor");
   m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
 }

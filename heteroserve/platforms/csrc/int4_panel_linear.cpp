@@ -16,6 +16,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "packed_tile.h"
 
 #if defined(__AVX512F__)
@@ -73,6 +74,10 @@ void dequantise_block(const uint8_t* block, const float* scale, const float* zer
   }
 }
 
+}  // namespace
+
+namespace heteroserve {
+
 at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
                              const at::Tensor& zero) {
   TORCH_CHECK_NOT_IMPLEMENTED(x_in.scalar_type() == at::kFloat, "int4_panel_linear: float32 activations only");
@@ -112,9 +117,9 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& packed, c
   return out;
 }
 
-}  // namespace
+}  // namespace heteroserve
 
 TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
   m.def("int4_panel_linear(Tensor x, Tensor packed, Tensor scale, Tensor zero) -> Tensor");
-  m.impl("int4_panel_linear", c10::DispatchKey::CPU, &int4_panel_linear);
+  m.impl("int4_panel_linear", c10::DispatchKey::CPU, &heteroserve::int4_panel_linear);
 }
