@@ -99,6 +99,7 @@ class DecoderLayer(nn.Module):
         self.fused_decode = self.ops.fuse_decode_layer(
             DecodeLayerWeights(
                 input_norm=self.input_layernorm.weight.data,
+                qk_norms=None if attn.q_norm is None else (attn.q_norm.weight.data, attn.k_norm.weight.data),
                 qkv=attn.qkv_proj,
                 qkv_bias=None if attn.qkv_bias is None else attn.qkv_bias.data,
                 o_proj=attn.o_proj,
@@ -158,8 +159,8 @@ class DecoderModel(nn.Module):
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         # A tied head gets its own prepared copy: the embedding lookup needs the plain layout.
         self._prepare(self, "lm_head", head, self.linear.prepare_lm_head)
-        # The fused layer does what forward does with one rank, plain rotary and no q/k norm.
-        plain = type(self.rotary) is RotaryEmbedding and not self.arch.qk_norm and self.parallel.tp_size == 1
+        # The fused layer does what forward does with one rank and plain (not M-RoPE) rotary.
+        plain = type(self.rotary) is RotaryEmbedding and self.parallel.tp_size == 1
         if plain and self.ops.fuse_decode_layer is not None:
             for layer in self.layers:
                 layer.fuse_for_decode(self.rotary)

@@ -26,7 +26,7 @@ class CpuFusedDecodeLayer:
 
     def __init__(self, w: DecodeLayerWeights) -> None:
         projections = (w.qkv, w.o_proj, w.gate_up, w.down)
-        self.norms = [w.input_norm, w.post_norm]
+        self.norms = [w.input_norm, w.post_norm, *(w.qk_norms or ())]
         self.projections = [_tensors(p) for p in projections]
         self.out_features = [p.shape[0] for p in projections]
         self.qkv_bias, self.eps, self.num_heads, self.scale = w.qkv_bias, w.eps, w.num_heads, w.scale
@@ -60,7 +60,7 @@ def fuse_decode_layer(w: DecodeLayerWeights) -> CpuFusedDecodeLayer | None:
     projections = (w.qkv, w.o_proj, w.gate_up, w.down)
     if not all(isinstance(p, (CpuPackedWeight, CpuInt4Weight)) for p in projections):
         return None
-    if any(t.dtype != torch.float32 for t in (w.input_norm, w.post_norm, w.cos)):
+    if any(t.dtype != torch.float32 for t in (w.input_norm, w.post_norm, *(w.qk_norms or ()), w.cos)):
         return None
     return CpuFusedDecodeLayer(w)
 

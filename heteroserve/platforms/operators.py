@@ -59,6 +59,7 @@ class DecodeLayerWeights:
     """A decoder layer as a fused decode kernel needs it: weights as the linear op prepared them."""
 
     input_norm: torch.Tensor
+    qk_norms: tuple[torch.Tensor, torch.Tensor] | None  # per-head RMSNorm of q and k (Qwen3)
     qkv: object
     qkv_bias: torch.Tensor | None
     o_proj: object

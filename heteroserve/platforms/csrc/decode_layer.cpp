@@ -1,7 +1,8 @@
 // One decoder layer for a batch of decode tokens in a single call: the same kernels the model's Python path
 // calls one by one (RMSNorm, the float32 or 4-bit GEMMs, rotary, KV write, paged decode attention,
-// SiLU-and-multiply), chained here. At one token a step the ~20 operator calls of a layer from Python cost ~200 us against ~700 us of
-// weight reads, a quarter of the step; chained in C++ they cost a few microseconds.
+// SiLU-and-multiply), chained here. At one token a step the ~20 operator calls a layer makes from Python cost
+// about a fifth of the step (the default model on a 2-core Xeon: 26.7 against 30.6 ms a token in float32, 9.2
+// against 11.9 with 4-bit weights); chained in C++ they cost a few microseconds.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
@@ -11,7 +12,6 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
-#include <vector>
 
 #include "kernels.h"
 
@@ -29,6 +29,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   float* vc = v_cache.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "decode_layer: slot ", slot[t], " outside the cache");
+  }
+  for (int64_t t = 0; t < T; ++t) {
     std::memcpy(kc + slot[t] * row, k.const_data_ptr<float>() + t * row, row * sizeof(float));
     std::memcpy(vc + slot[t] * row, v.const_data_ptr<float>() + t * v.stride(0), row * sizeof(float));
   }
@@ -53,14 +55,16 @@ at::Tensor project(const at::Tensor& x, at::TensorList weight, int64_t N, const 
   return bias.has_value() ? out.add_(*bias) : out;
 }
 
-// norms: input and post-attention RMSNorm weights; out_features: N of qkv, o, gate_up and down.
+// norms: input and post-attention RMSNorm weights, then the per-head q and k norms where the model has them
+// (Qwen3); out_features: N of qkv, o, gate_up and down.
 at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorList qkv_w, at::TensorList o_w,
                         at::TensorList gate_up_w, at::TensorList down_w, at::IntArrayRef out_features,
                         const std::optional<at::Tensor>& qkv_bias, double eps, const at::Tensor& positions,
-                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& slots, const at::Tensor& block_tables, const at::Tensor& mask,
-                        int64_t num_heads, double scale, int64_t int4_panel_min_rows) {
-  TORCH_CHECK(norms.size() == 2 && out_features.size() == 4, "decode_layer: 2 norms and 4 output sizes");
+                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
+                        const at::Tensor& mask, int64_t num_heads, double scale, int64_t int4_panel_min_rows) {
+  TORCH_CHECK((norms.size() == 2 || norms.size() == 4) && out_features.size() == 4,
+              "decode_layer: 2 or 4 norms and 4 output sizes");
   TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "decode_layer: x [T, hidden] and contiguous caches [blocks, block_size, Hkv, D]");
   TORCH_CHECK_NOT_IMPLEMENTED(x.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat,
@@ -70,16 +74,22 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorLis
   TORCH_CHECK(out_features[0] == q_size + 2 * kv_size, "decode_layer: qkv has ", out_features[0], " outputs");
 
   const int64_t panel_rows = int4_panel_min_rows;
-  const at::Tensor qkv = project(heteroserve::rms_norm(x, norms[0], eps), qkv_w, out_features[0], qkv_bias, panel_rows);
-  const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
-  const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, Hkv, D});
+  const at::Tensor qkv =
+      project(heteroserve::rms_norm(x, norms[0], eps), qkv_w, out_features[0], qkv_bias, panel_rows);
+  at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
+  at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, Hkv, D});
+  if (norms.size() == 4) {
+    q = heteroserve::rms_norm(q, norms[2], eps);
+    k = heteroserve::rms_norm(k, norms[3], eps);
+  }
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv, D});
   const auto [q_rotated, k_rotated] = heteroserve::rotary(positions, q, k, cos, sin);
   write_kv(k_rotated, v, k_cache, v_cache, slots);
   const at::Tensor attention =
       heteroserve::paged_decode_attention(q_rotated, k_cache, v_cache, block_tables, mask, scale);
   at::Tensor h = at::add(x, project(attention.view({T, q_size}), o_w, out_features[1], {}, panel_rows));
-  const at::Tensor gate_up = project(heteroserve::rms_norm(h, norms[1], eps), gate_up_w, out_features[2], {}, panel_rows);
+  const at::Tensor gate_up =
+      project(heteroserve::rms_norm(h, norms[1], eps), gate_up_w, out_features[2], {}, panel_rows);
   return h.add_(project(heteroserve::silu_and_mul(gate_up), down_w, out_features[3], {}, panel_rows));
 }
 

@@ -8,7 +8,8 @@
 
 namespace heteroserve {
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias);
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                         const std::optional<at::Tensor>& bias);
 at::Tensor int4_panel_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                              const at::Tensor& zero);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
