@@ -27,6 +27,7 @@ import hashlib
 import logging
 import os
 import platform as pyplatform
+import time
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ HEADERS = sorted(CSRC.glob("*.h"))
 # reassociation lets dot products and sums vectorise as trees (a serial lane-by-lane sum made the kernel 2x slower).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STALE_LOCK_SECONDS = 600  # a full build takes ~10-90 s on 2 cores
 
 
 class PagedDecodeAttention:
@@ -121,9 +123,20 @@ def load_library() -> bool:
 
 def compile_and_load(directory: Path, cflags: list[str]) -> None:
     """Compiles the sources with `cflags` into `directory` (named after it) and registers their operators in
-    torch.ops.heteroserve; a process can hold one such build."""
+    torch.ops.heteroserve; a process can hold one such build.
+
+    A directory that already holds the library is loaded without torch's build step: that step takes a lock
+    file in the directory for every process (to run ninja, which then has nothing to do), and a process killed
+    inside it (a worker stopped while starting, a server killed at start-up) left the lock behind, so every later
+    start waited on it forever. The directory's name is a hash of everything that goes into the library
+    (build_directory), so a library found there is the one these sources make."""
+    library = directory / f"{directory.name}.so"
+    if library.exists():
+        torch.ops.load_library(str(library))
+        return
     from torch.utils.cpp_extension import load  # imports setuptools: only when the kernels are wanted
 
+    _remove_stale_lock(directory)
     _put_ninja_on_path()
     load(
         name=directory.name,
@@ -134,6 +147,18 @@ def compile_and_load(directory: Path, cflags: list[str]) -> None:
         build_directory=str(directory),
         is_python_module=False,
     )
+
+
+def _remove_stale_lock(directory: Path) -> None:
+    """A build lock older than any build (the process that took it died): torch would wait on it forever."""
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def _put_ninja_on_path() -> None:

@@ -4,6 +4,10 @@ engine does, and the fused element-wise operators on the shapes and views the mo
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -173,6 +177,30 @@ def test_build_directory_is_keyed_by_cpu_torch_and_source(monkeypatch, tmp_path)
     assert here.parent == tmp_path
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: "x86_64 avx2")
     assert cpu_kernels.build_directory() != here
+
+
+def test_build_directory_with_a_left_behind_lock_still_loads(fused, tmp_path):
+    """A process killed inside torch's build step leaves `lock` in the build directory; a built library is then
+    loaded without waiting on it (before, every later engine start waited forever)."""
+    lock = cpu_kernels.build_directory() / "lock"
+    lock.touch()
+    try:
+        script = "from heteroserve.platforms import cpu_kernels; print(cpu_kernels.load_library())"
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert result.stdout.strip() == "True", result.stderr
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def test_build_directory_stale_lock_is_removed_before_a_build(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_kernels._remove_stale_lock(tmp_path)
+    assert lock.exists(), "a fresh lock belongs to a build in progress"
+    old = time.time() - cpu_kernels.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    cpu_kernels._remove_stale_lock(tmp_path)
+    assert not lock.exists()
 
 
 def test_other_dtypes_say_not_implemented(kernel):
