@@ -47,7 +47,19 @@ def test_fused_layer_matches_operator_by_operator(name, quantization, tmp_path):
     batches = [prompts(5, [3, 17, 9, 30, 5, 11, 8, 21, 2], tiny.vocab_size), prompts(6, [4, 19, 7], tiny.vocab_size)]
     params = greedy_params(tiny.vocab_size, prompt_logprobs=False)
 
+    rows_seen = set()
+
+    def recording(fused_layer):
+        def call(x, *args):
+            rows_seen.add(x.shape[0])
+            return fused_layer(x, *args)
+
+        return call
+
+    for layer, fused_layer in zip(layers, fused, strict=True):
+        layer.fused_decode = recording(fused_layer)
     with_fused = [run(llm, batch, params) for batch in batches]
+    assert {9, 3} <= rows_seen, "the decode steps of both batches went through the fused layers"
     for layer in layers:
         layer.fused_decode = None
     without = [run(llm, batch, params) for batch in batches]
