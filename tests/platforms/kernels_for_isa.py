@@ -1,13 +1,13 @@
-"""Builds the CPU kernels for another instruction set (`-march=NAME`) and runs the kernel tests against that
-build, in this process: `python tests/platforms/kernels_for_isa.py haswell` checks the AVX2 code paths (16-wide
-panels) on an AVX-512 machine, `x86-64` the generic ones (8-wide panels, the layout NEON gets)."""
+"""Builds the CPU kernels as prebuilt for an instruction-set level (cpu_kernel_variants.py) and runs the kernel
+tests against that build, in this process: `python tests/platforms/kernels_for_isa.py x86_64_v3` checks the AVX2
+code paths (16-wide panels) on an AVX-512 machine, `x86_64` the generic ones (8-wide panels, the layout NEON
+gets)."""
 
 from __future__ import annotations
 
 import functools
 import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,14 +23,11 @@ TESTS = [
 ]
 
 
-def main(march: str) -> int:
-    flags = [f"-march={march}" if f.startswith("-march") else f for f in cpu_kernels.CFLAGS]
-    directory = Path(tempfile.mkdtemp()) / f"heteroserve_kernels_{march.replace('-', '_')}"
-    directory.mkdir()
-    cpu_kernels.compile_and_load(directory, flags)
+def main(level: str) -> int:
+    cpu_kernels.build_variant(level, tempfile.mkdtemp())
     cpu_kernels.load_library = functools.cache(lambda: True)  # the ops are registered: never load the native build
     panel = torch.ops.heteroserve.pack_linear_weight(torch.randn(1, 1)).shape[2]
-    print(f"-march={march}: GEMM panels {panel} wide")
+    print(f"{level}: GEMM panels {panel} wide")
     return pytest.main(["-q", "-p", "no:cacheprovider", *TESTS, "-k", "not failed_build and not build_directory"])
 
 
