@@ -36,7 +36,7 @@ head -3 /proc/sys/fs/binfmt_misc/qemu-aarch64
 if [ ! -e "$ROOT/.bootstrapped" ]; then
     step "debootstrap --arch=arm64 bookworm $ROOT"
     rm -rf "$ROOT"
-    nice -n 10 debootstrap --arch=arm64 --variant=minbase --include=python3,python3-venv,ca-certificates \
+    nice -n 10 debootstrap --arch=arm64 --variant=minbase --include=python3,python3-venv,ca-certificates,g++ \
         bookworm "$ROOT" "$MIRROR" >/dev/null
     touch "$ROOT/.bootstrapped"
 fi
@@ -76,6 +76,12 @@ in_root pip install -q --no-deps -e /opt/heteroserve
 in_root python -c "import torch, platform; print('torch', torch.__version__, platform.machine(), \
 'cuda', torch.version.cuda, 'capability', torch.backends.cpu.get_cpu_capability())"
 
+step "C++ kernels built here (g++, NEON through GCC vector extensions); one OpenMP runtime in the process"
+in_root python -c "import torch; from heteroserve.platforms import cpu_kernels as k; \
+assert k.load_library(), 'the C++ kernels did not build'; print('cpp kernels:', k.loaded_build(), '; linked:', \
+k.openmp_ldflags()); r = {l.split()[-1] for l in open('/proc/self/maps') if 'gomp' in l or 'iomp5' in l}; \
+print('OpenMP runtimes loaded:', sorted(r)); assert len(r) == 1, r"
+
 step "heteroserve env (ISA detection and the kernel each operator runs)"
 in_root heteroserve env
 
@@ -86,6 +92,10 @@ _int4_kernel_works())"
 step "pytest: core KV cache / scheduler tests, the CPU ISA report"
 in_root sh -c "cd /opt/heteroserve && python -m pytest -q -p no:cacheprovider tests/core \
     tests/platforms/test_cpu_isa.py"
+
+step "pytest: the C++ kernels against torch (packed GEMM, decode attention, fused layer vs operator by operator)"
+in_root sh -c "cd /opt/heteroserve && python -m pytest -q -p no:cacheprovider tests/platforms/test_cpu_packed_linear.py \
+    tests/platforms/test_cpu_kernels.py tests/platforms/test_cpu_decode_layer.py"
 
 step "pytest: greedy vs transformers on the default model ($PROMPTS prompts, $TOKENS tokens)"
 in_root sh -c "cd /opt/heteroserve && HETEROSERVE_GREEDY_PROMPTS=$PROMPTS HETEROSERVE_GREEDY_TOKENS=$TOKENS \

@@ -15,10 +15,10 @@ from heteroserve.platforms.operators import DecodeLayerWeights
 
 
 def _tensors(projection: CpuPackedWeight | CpuInt4Weight) -> list[torch.Tensor]:
-    """The projection as decode_layer.cpp reads it: [panels] or [packed, scales_and_zeros, scale, zero]."""
+    """The projection as decode_layer.cpp reads it: [panels] or [packed, scales_and_zeros, scale_zero]."""
     if isinstance(projection, CpuPackedWeight):
         return [projection.packed]
-    return [projection.packed, projection.scales_and_zeros, projection.scale, projection.zero]
+    return [projection.packed, projection.scales_and_zeros, projection.scale_zero]
 
 
 class CpuFusedDecodeLayer:

@@ -28,7 +28,9 @@ BF16_GEMM_MIN_ROWS = 512
 # (csrc/int4_panel_linear.cpp) dequantises each block of 64 rows into cache and multiplies it there in float32.
 # SmolLM2's 120 projections on a 2-core Intel Xeon without AVX512-BF16: 8 rows 16.3 ms against torch's kernel's
 # 16.8, 16 rows 24.4 vs 30.7, 64 rows 74.9 vs 128.6 (the float32 GEMM: 79.6), 512 rows 510 vs 935; at 1-4 rows
-# torch's kernel, which reads the 4 bits without expanding them, is faster (6.1 vs 12.1 ms at one row).
+# torch's kernel, which reads the 4 bits without expanding them, is faster (6.1 vs 12.1 ms at one row); where
+# the C++ library has AVX512-VNNI and VBMI, our integer kernel (csrc/int4_vnni_linear.cpp: activations rounded to
+# 8 bits per 32 inputs, as llama.cpp's) takes those rows instead.
 PANEL_MIN_ROWS = 8
 KERNEL_GROUPS = (256, 128, 64, 32)
 
@@ -41,9 +43,10 @@ def kernel_group(weight: Int4Weight) -> int | None:
 @dataclass
 class CpuInt4Weight:
     packed: torch.Tensor  # uint8 [N / 64, K, 32], the kernel's layout
-    scales_and_zeros: torch.Tensor  # bfloat16 [K / group, N, 2], for the kernel
-    scale: torch.Tensor  # float32 [N, K / original group], for exact dequantisation
-    zero: torch.Tensor
+    scales_and_zeros: torch.Tensor  # bfloat16 [K / group, N, 2], for torch's kernel
+    # float32 [N / 64, K / original group, 2, 64]: per block of 64 rows and group, their scales then their zeros,
+    # so our kernels read a block's scales in one run (exact dequantisation: w = (q - 8) * scale + zero)
+    scale_zero: torch.Tensor
     original_group: int
     bf16_gemm: bool = False  # the CPU multiplies bfloat16 natively: large batches take the bfloat16 GEMM
 
@@ -58,7 +61,9 @@ class CpuInt4Weight:
         n, k = weight.shape
         sz = torch.stack((regrouped.scale.t(), regrouped.zero.t()), dim=-1).to(torch.bfloat16).contiguous()
         blocks = packed.view(n // _BLOCK_N, k, _BLOCK_N // 2)
-        return cls(blocks, sz, weight.scale.contiguous(), weight.zero.contiguous(), weight.group_size, bf16_gemm)
+        groups = weight.scale.shape[1]
+        scale_zero = torch.stack((weight.scale, weight.zero)).view(2, n // _BLOCK_N, _BLOCK_N, groups)
+        return cls(blocks, sz, scale_zero.permute(1, 3, 0, 2).contiguous(), weight.group_size, bf16_gemm)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -80,7 +85,8 @@ class CpuInt4Weight:
         """Straight from the kernel's layout, in float32 arithmetic as Int4Weight.dequantize does."""
         n, k = self.shape
         groups = self.values().view(n, k // self.original_group, self.original_group).float()
-        return ((groups - 8) * self.scale[..., None] + self.zero[..., None]).view(n, k).to(dtype)
+        scale, zero = self.scale_zero.permute(2, 0, 3, 1).reshape(2, n, -1, 1)
+        return ((groups - 8) * scale + zero).view(n, k).to(dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.shape[0]
@@ -88,7 +94,10 @@ class CpuInt4Weight:
             out = F.linear(x.to(torch.bfloat16), self.dequantize(torch.bfloat16)).to(x.dtype)
             return out if bias is None else out + bias
         if rows >= PANEL_MIN_ROWS and x.dtype == torch.float32 and cpu_kernels.load_library():
-            out = torch.ops.heteroserve.int4_panel_linear(x, self.packed, self.scale, self.zero)
+            out = torch.ops.heteroserve.int4_panel_linear(x, self.packed, self.scale_zero)
+            return out if bias is None else out + bias
+        if x.dtype == torch.float32 and self.original_group % 32 == 0 and cpu_kernels.int4_vnni_available():
+            out = torch.ops.heteroserve.int4_vnni_linear(x, self.packed, self.scale_zero)
             return out if bias is None else out + bias
         n, k = self.shape
         packed = self.packed.view(n, k // 2)
@@ -99,4 +108,4 @@ class CpuInt4Weight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros, self.scale, self.zero))
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros, self.scale_zero))

@@ -7,7 +7,8 @@
   reference's chain of torch operators; float32 only.
 - `torch.ops.heteroserve.pack_linear_weight` / `packed_linear` (csrc/packed_linear.cpp): the float32 GEMM for
   every batch size, called by cpu_packed.CpuPackedWeight through the platform's linear op; `int4_panel_linear`
-  (csrc/int4_panel_linear.cpp) runs the same tile on 4-bit weights dequantised block by block (cpu_int4).
+  (csrc/int4_panel_linear.cpp) runs the same tile on 4-bit weights dequantised block by block (cpu_int4), and
+  `int4_vnni_linear` (csrc/int4_vnni_linear.cpp) a few decode rows on them with 8-bit activations (VNNI).
 - `torch.ops.heteroserve.decode_layer` (csrc/decode_layer.cpp): the kernels above chained for one decoder layer
   of a decode-only step (cpu_decode_layer.py), so that no Python runs between them.
 - `torch.ops.heteroserve.int8_grouped_linear` (csrc/int8_grouped_linear.cpp): grouped 8-bit weights read in
@@ -151,6 +152,12 @@ def load_library() -> bool:
         "the CPU C++ kernels could not be loaded (%s); using the torch reference operators", "; ".join(errors)
     )
     return False
+
+
+@functools.cache
+def int4_vnni_available() -> bool:
+    """Whether the loaded library has the VNNI 4-bit decode kernel (built for a CPU with AVX512-VNNI and VBMI)."""
+    return load_library() and bool(torch.ops.heteroserve.int4_vnni_available())
 
 
 def loaded_build() -> str:

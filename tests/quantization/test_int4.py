@@ -35,9 +35,28 @@ def test_int4_linear_against_dequantised_matmul(rows):
         pytest.skip("torch's CPU int4 kernel is not usable here; the dequantising path is what runs")
     packed = CpuInt4Weight.pack(weight)
     assert torch.equal(packed.dequantize(), weight.dequantize())
-    # torch's kernel rounds activations to bfloat16; from PANEL_MIN_ROWS rows ours multiplies in float32
+    # below PANEL_MIN_ROWS activations are rounded (to bfloat16 by torch's kernel, to 8 bits by our VNNI one);
+    # from PANEL_MIN_ROWS rows ours multiplies in float32
     bound = 1e-5 if rows >= PANEL_MIN_ROWS and cpu_kernels.load_library() else 1e-2
     assert _relative_error(packed.matmul(x, None), reference) <= bound
+
+
+@pytest.mark.parametrize("group", [32, 64, 256])
+def test_int4_decode_rows_take_the_vnni_kernel(group):
+    """Below PANEL_MIN_ROWS, where the library has AVX512-VNNI and VBMI: activations rounded to 8 bits per 32
+    inputs (error ~0.5%, bfloat16's order), each row on its own, so a row's result does not depend on its batch."""
+    if not cpu_kernels.int4_vnni_available():
+        pytest.skip("the C++ library here has no AVX512-VNNI/VBMI kernel; torch's int4 kernel takes these rows")
+    weight = quantize_int4(torch.randn(192, 512), group_size=group)
+    packed = CpuInt4Weight.pack(weight)
+    x = torch.randn(PANEL_MIN_ROWS - 1, 512)
+    x[2, 64:96] = 0  # a chunk of zeros has no scale to divide by
+    reference = x @ weight.dequantize().T
+    out = packed.matmul(x, None)
+    assert torch.equal(out, torch.ops.heteroserve.int4_vnni_linear(x, packed.packed, packed.scale_zero))
+    assert max(_relative_error(out[r], reference[r]) for r in range(len(x))) <= 1e-2
+    for r in range(len(x)):
+        assert torch.equal(packed.matmul(x[r : r + 1], None)[0], out[r])
 
 
 @pytest.mark.parametrize("rows", [BF16_GEMM_MIN_ROWS - 1, BF16_GEMM_MIN_ROWS, 700])

@@ -37,19 +37,23 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
 }
 
 // A projection as the platform's linear op prepared it: [panels] of float32 (cpu_packed.py), or 4-bit
-// [packed, scales_and_zeros, scale, zero] (cpu_int4.py), which takes torch's int4 kernel below
-// `int4_panel_min_rows` rows and our panel kernel from there, as CpuInt4Weight.matmul does (a decode step of 512+
-// rows, above the default max_num_seqs, also takes the panel kernel where the Python path would round to bfloat16).
+// [packed, scales_and_zeros, scale_zero] (cpu_int4.py), which takes our VNNI kernel (else torch's int4 kernel)
+// below `int4_panel_min_rows` rows and our panel kernel from there, as CpuInt4Weight.matmul does (a decode step of
+// 512+ rows, above the default max_num_seqs, also takes the panel kernel where the Python path would round to
+// bfloat16).
 at::Tensor project(const at::Tensor& x, at::TensorList weight, int64_t N, const std::optional<at::Tensor>& bias,
                    int64_t int4_panel_min_rows) {
   if (weight.size() == 1) return heteroserve::packed_linear(x, weight[0], N, bias);
-  TORCH_CHECK(weight.size() == 4, "decode_layer: a projection is [panels] or [packed, scales_and_zeros, scale, zero]");
+  TORCH_CHECK(weight.size() == 3, "decode_layer: a projection is [panels] or [packed, scales_and_zeros, scale_zero]");
   at::Tensor out;
+  const int64_t K = weight[0].size(1), group = K / weight[2].size(1);
   if (x.size(0) >= int4_panel_min_rows) {
-    out = heteroserve::int4_panel_linear(x, weight[0], weight[2], weight[3]);
+    out = heteroserve::int4_panel_linear(x, weight[0], weight[2]);
+  } else if (heteroserve::int4_vnni_available() && group % 32 == 0) {
+    out = heteroserve::int4_vnni_linear(x, weight[0], weight[2]);
   } else {
-    const int64_t K = weight[0].size(1), group = K / weight[1].size(0);
-    out = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), weight[0].view({N, K / 2}), group, weight[1])
+    out = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), weight[0].view({N, K / 2}), K / weight[1].size(0),
+                                          weight[1])
               .to(at::kFloat);
   }
   return bias.has_value() ? out.add_(*bias) : out;

@@ -48,16 +48,18 @@ inline void unpack_column(const uint8_t* p, f32x16 q[4]) {
 #endif
 }
 
-// Block b's 64 rows as 64 / kPanel panels [K, kPanel] in `panels`. scale, zero: float32 [N, groups].
-void dequantise_block(const uint8_t* block, const float* scale, const float* zero, int64_t groups, int64_t K,
+// Block b's 64 rows as 64 / kPanel panels [K, kPanel] in `panels`. scale_zero: the block's float32
+// [groups, 2, 64] (per group its 64 rows' scales, then their zeros).
+void dequantise_block(const uint8_t* block, const float* scale_zero, int64_t groups, int64_t K,
                       float* panels) {
   const int64_t group = K / groups;
   constexpr int chunk = std::min(16, kPanel);  // floats stored together: one panel's share of 16 rows
   for (int64_t g = 0; g < groups; ++g) {
     f32x16 s[4], z[4];
     for (int j = 0; j < kBlock; ++j) {
-      s[j / 16][j % 16] = scale[j * groups + g];
-      z[j / 16][j % 16] = zero[j * groups + g] - 8.f * scale[j * groups + g];  // (q - 8) s + z = q s + (z - 8 s)
+      const float scale = scale_zero[2 * g * kBlock + j], zero = scale_zero[(2 * g + 1) * kBlock + j];
+      s[j / 16][j % 16] = scale;
+      z[j / 16][j % 16] = zero - 8.f * scale;  // (q - 8) s + z = q s + (z - 8 s)
     }
     for (int64_t k = g * group; k < (g + 1) * group; ++k) {
       f32x16 q[4];
@@ -78,25 +80,23 @@ void dequantise_block(const uint8_t* block, const float* scale, const float* zer
 
 namespace heteroserve {
 
-at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
-                             const at::Tensor& zero) {
+at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_zero) {
   TORCH_CHECK_NOT_IMPLEMENTED(x_in.scalar_type() == at::kFloat, "int4_panel_linear: float32 activations only");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kBlock / 2 &&
                   packed.is_contiguous(),
               "int4_panel_linear: packed must be uint8 [N / 64, K, 32]");
   const int64_t K = packed.size(1), N = packed.size(0) * kBlock;
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == K, "int4_panel_linear: x must be [M, ", K, "]");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && zero.scalar_type() == at::kFloat && scale.is_contiguous() &&
-                  zero.is_contiguous() && scale.dim() == 2 && scale.size(0) == N && zero.sizes() == scale.sizes() &&
-                  scale.size(1) > 0 && K % scale.size(1) == 0,
-              "int4_panel_linear: scale and zero must be contiguous float32 [N, K / group]");
+  TORCH_CHECK(scale_zero.scalar_type() == at::kFloat && scale_zero.is_contiguous() && scale_zero.dim() == 4 &&
+                  scale_zero.size(0) == N / kBlock && scale_zero.size(1) > 0 && K % scale_zero.size(1) == 0 &&
+                  scale_zero.size(2) == 2 && scale_zero.size(3) == kBlock,
+              "int4_panel_linear: scale_zero must be contiguous float32 [N / 64, K / group, 2, 64]");
   const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), groups = scale.size(1);
+  const int64_t M = x.size(0), groups = scale_zero.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
   const float* xd = x.const_data_ptr<float>();
   const uint8_t* pd = packed.const_data_ptr<uint8_t>();
-  const float* sd = scale.const_data_ptr<float>();
-  const float* zd = zero.const_data_ptr<float>();
+  const float* szd = scale_zero.const_data_ptr<float>();
   float* od = out.data_ptr<float>();
   // Rows in slices that stay in L2 (a prefill's x would otherwise stream from L3 once per block); each block is
   // dequantised again per slice, which costs little beside the slice's multiplies.
@@ -105,8 +105,7 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& packed, c
     std::vector<float> panels(kBlock * K);
     for (int64_t m0 = 0; m0 < M; m0 += slice) {
       for (int64_t b = begin; b < end; ++b) {
-        dequantise_block(pd + b * K * (kBlock / 2), sd + b * kBlock * groups, zd + b * kBlock * groups, groups, K,
-                         panels.data());
+        dequantise_block(pd + b * K * (kBlock / 2), szd + b * groups * 2 * kBlock, groups, K, panels.data());
         for (int p = 0; p < kBlock / kPanel; ++p) {
           panel_rows(xd, m0, std::min(M, m0 + slice), K, panels.data() + p * K * kPanel, nullptr,
                      od + b * kBlock + p * kPanel, N, kPanel);
@@ -120,6 +119,6 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& packed, c
 }  // namespace heteroserve
 
 TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
-  m.def("int4_panel_linear(Tensor x, Tensor packed, Tensor scale, Tensor zero) -> Tensor");
+  m.def("int4_panel_linear(Tensor x, Tensor packed, Tensor scale_zero) -> Tensor");
   m.impl("int4_panel_linear", c10::DispatchKey::CPU, &heteroserve::int4_panel_linear);
 }
