@@ -44,7 +44,8 @@ def test_int4_linear_against_dequantised_matmul(rows):
 @pytest.mark.parametrize("group", [32, 64, 256])
 def test_int4_decode_rows_take_the_vnni_kernel(group):
     """Below PANEL_MIN_ROWS, where the library has AVX512-VNNI and VBMI: activations rounded to 8 bits per 32
-    inputs (error ~0.5%, bfloat16's order), each row on its own, so a row's result does not depend on its batch."""
+    inputs (error ~0.5%, bfloat16's order), each row on its own, so a row's result does not depend on its batch.
+    The kernel itself takes any number of rows (37: passes of 4 rows and a last one of 1)."""
     if not cpu_kernels.int4_vnni_available():
         pytest.skip("the C++ library here has no AVX512-VNNI/VBMI kernel; torch's int4 kernel takes these rows")
     weight = quantize_int4(torch.randn(192, 512), group_size=group)
@@ -57,6 +58,10 @@ def test_int4_decode_rows_take_the_vnni_kernel(group):
     assert max(_relative_error(out[r], reference[r]) for r in range(len(x))) <= 1e-2
     for r in range(len(x)):
         assert torch.equal(packed.matmul(x[r : r + 1], None)[0], out[r])
+    many = torch.randn(37, 512)
+    rows = torch.ops.heteroserve.int4_vnni_linear(many, packed.packed, packed.scale_zero)
+    assert max(_relative_error(rows[r], many[r] @ weight.dequantize().T) for r in range(37)) <= 1e-2
+    assert torch.equal(rows[36:], packed.matmul(many[36:], None))
 
 
 @pytest.mark.parametrize("rows", [BF16_GEMM_MIN_ROWS - 1, BF16_GEMM_MIN_ROWS, 700])
