@@ -13,7 +13,6 @@ level, AVX512-VNNI with VBMI for the 4-bit decode kernel.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import platform as pyplatform
 import shutil
@@ -22,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
