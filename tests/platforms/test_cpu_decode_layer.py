@@ -28,7 +28,7 @@ def _logprob_rows(output) -> torch.Tensor:
 
 
 # qwen2: q/k/v biases; mistral: a sliding window shorter than the prompts; llama3: scaled rotary tables;
-# int4: 4-bit projections (torch's int4 kernel below 8 rows, our panel kernel from 8).
+# int4: 4-bit projections (our VNNI kernel, else torch's int4 kernel, below 8 rows; our panel kernel from 8).
 # qwen3: per-head q/k norms, head_dim 32 != hidden / heads.
 CASES = [("qwen2", None), ("mistral", None), ("llama3", None), ("qwen3", None), ("qwen2", "int4")]
 
@@ -43,7 +43,7 @@ def test_fused_layer_matches_operator_by_operator(name, quantization, tmp_path):
         pytest.skip("torch's CPU int4 kernel is not usable here")
     fused = [layer.fused_decode for layer in layers]
     assert all(f is not None for f in fused), "every layer takes the fused decode path"
-    # 9 decode rows (4-bit: the panel kernel), then 3 (4-bit: torch's int4 kernel)
+    # 9 decode rows (4-bit: the panel kernel), then 3 (4-bit: the VNNI kernel or torch's int4 kernel)
     batches = [prompts(5, [3, 17, 9, 30, 5, 11, 8, 21, 2], tiny.vocab_size), prompts(6, [4, 19, 7], tiny.vocab_size)]
     params = greedy_params(tiny.vocab_size, prompt_logprobs=False)
 
