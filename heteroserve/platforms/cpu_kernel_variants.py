@@ -12,15 +12,12 @@ level, AVX512-VNNI with VBMI for the 4-bit decode kernel.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform as pyplatform
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -67,13 +64,6 @@ def prebuilt_root() -> Path:
 def variant_cflags(variant: KernelVariant, native_cflags: list[str]) -> list[str]:
     level = [f"-march={variant.march}", *variant.extensions]
     return [part for flag in native_cflags for part in (level if flag == "-march=native" else [flag])]
-
-
-def variant_directory(root: Path, variant: KernelVariant, flags: list[str], sources: list[Path]) -> Path:
-    """Named by a hash of the compiler and linker flags, torch's version and the sources, as the native build:
-    a library built for another torch or other sources is never loaded."""
-    key = "\n".join([" ".join(flags), torch.__version__, *(path.read_text() for path in sources)])
-    return root / f"heteroserve_cpu_kernels_{variant.name}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def compiler_available() -> bool:

@@ -106,14 +106,19 @@ def cpu_flags() -> str:
     return " ".join([pyplatform.machine(), *sorted(flags)])
 
 
+def library_directory(root: Path, name: str, flags: list[str]) -> Path:
+    """root/name_<hash of `flags`, the OpenMP runtime linked, torch's version and the sources>: a library
+    built from anything else is never loaded."""
+    linked = [Path(flag).name for flag in openmp_ldflags()]
+    sources = [path.read_text() for path in [*SOURCES, *HEADERS]]
+    key = "\n".join([" ".join([*flags, *linked]), torch.__version__, *sources])
+    return root / f"{name}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
 def build_directory() -> Path:
     """$TORCH_EXTENSIONS_DIR or ~/.cache/heteroserve/extensions, then one folder per (CPU, torch, sources)."""
-    sources = [path.read_text() for path in [*SOURCES, *HEADERS]]
-    linked = " ".join(Path(flag).name for flag in openmp_ldflags())  # the OpenMP runtime's file name
-    key = "\n".join([cpu_flags(), " ".join(CFLAGS), linked, torch.__version__, *sources])
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "heteroserve" / "extensions"
-    return Path(root) / f"heteroserve_cpu_kernels_{digest}"
+    return library_directory(Path(root), "heteroserve_cpu_kernels", [cpu_flags(), *CFLAGS])
 
 
 @functools.cache
@@ -166,15 +171,15 @@ def loaded_build() -> str:
 
 
 def prebuilt_directory(variant: variants.KernelVariant, root: Path | None = None) -> Path:
-    flags = [*variants.variant_cflags(variant, CFLAGS), *(Path(flag).name for flag in openmp_ldflags())]
-    return variants.variant_directory(root or variants.prebuilt_root(), variant, flags, [*SOURCES, *HEADERS])
+    name = f"heteroserve_cpu_kernels_{variant.name}"
+    return library_directory(root or variants.prebuilt_root(), name, variants.variant_cflags(variant, CFLAGS))
 
 
 def build_prebuilt(root: Path) -> list[str]:
     """Builds every instruction-set level of this architecture into `root`, each in its own process (a process
     can hold one build, and loading is the build's last step), keeping only the libraries. A level this CPU
     lacks is built all the same: its process may die of an illegal instruction when it loads the result."""
-    built = []
+    built, supported = [], variants.supported_variants(set(cpu_flags().split()))
     for variant in variants.variants_for():
         directory = prebuilt_directory(variant, root)
         code = (
@@ -182,7 +187,7 @@ def build_prebuilt(root: Path) -> list[str]:
         )
         run = subprocess.run([sys.executable, "-c", code, variant.name, str(root)], capture_output=True, text=True)
         library = directory / f"{directory.name}.so"
-        cpu_has_it = variant in variants.supported_variants(set(cpu_flags().split()))
+        cpu_has_it = variant in supported
         if not library.exists() or (run.returncode != 0 and cpu_has_it):
             raise RuntimeError(f"building the {variant.name} kernels failed:\n{run.stdout[-2000:]}{run.stderr[-3000:]}")
         for path in directory.iterdir():
@@ -221,13 +226,14 @@ def compile_and_load(directory: Path, cflags: list[str]) -> None:
         sources=[str(path) for path in SOURCES],
         extra_cflags=cflags,
         extra_include_paths=[str(CSRC)],
-        extra_ldflags=openmp_ldflags(),
+        extra_ldflags=list(openmp_ldflags()),
         build_directory=str(directory),
         is_python_module=False,
     )
 
 
-def openmp_ldflags() -> list[str]:
+@functools.cache
+def openmp_ldflags() -> tuple[str, ...]:
     """Links the OpenMP runtime torch has loaded, so that our parallel regions share its threads and thread
     count (torch.set_num_threads, each tensor-parallel worker's share of the cores). -fopenmp alone links the
     system's libgomp.so.1, which is torch's only where the wheel ships it under that name (x86-64); PyPI's
@@ -240,7 +246,7 @@ def openmp_ldflags() -> list[str]:
     except OSError:
         loaded = set()
     runtimes = sorted(path for path in loaded if path.startswith(site))
-    return runtimes[:1] or ["-fopenmp"]
+    return tuple(runtimes[:1]) or ("-fopenmp",)
 
 
 def _remove_stale_lock(directory: Path) -> None:
