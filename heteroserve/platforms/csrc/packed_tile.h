@@ -6,32 +6,15 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vector_math.h"
+
 namespace heteroserve {
 
-// One machine vector of floats (GCC vector extensions: AVX-512, AVX2 or NEON registers without intrinsics) and
-// the tile shape that keeps MR x 2 accumulators plus two weight vectors within the register file.
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-constexpr int kTileRows = 12;
-#elif defined(__AVX__)
-constexpr int kLanes = 8;
-constexpr int kTileRows = 6;
-#else
-constexpr int kLanes = 4;
-constexpr int kTileRows = 8;
-#endif
+// The tile shape that keeps MR x 2 accumulators plus two weight vectors within the register file.
+constexpr int kTileRows = kLanes == 16 ? 12 : kLanes == 8 ? 6 : 8;
 constexpr int kPanel = 2 * kLanes;           // NR: output columns per panel
 constexpr int64_t kPrefetch = 16;             // k steps ahead of the tile's reads
 constexpr int64_t kRowBlockBytes = 1 << 19;  // x rows per pass over the panels: their slice stays in L2
-typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
 
 // Rows [0, ROWS) of x times one panel: out[r, 0:columns] (columns < kPanel only in the last panel).
 template <int ROWS>

@@ -45,36 +45,60 @@ inline void prefetch(const scalar_t* row, int64_t count) {
 struct Workspace {
   std::vector<float> query, acc, scores, max_score, inv_sum;  // [G, D], [G, D], [G, L], [G], [G]
   std::vector<int64_t> cache_rows;                            // cache row of each attended token
+  std::vector<heteroserve::vec> vector_acc;                   // attend_vectors' [G, D / kLanes]
 };
 
+// Fills ws.cache_rows with the cache row (first KV head of the item) of each token the mask lets through.
+void gather_rows(const int64_t* block_table, const bool* mask, int64_t first_kv_head, const Shape& s,
+                 Workspace& ws) {
+  ws.cache_rows.clear();
+  for (int64_t j = 0; j < s.max_tokens / s.block_size; ++j) {
+    for (int64_t offset = 0; offset < s.block_size; ++offset) {
+      if (mask[j * s.block_size + offset]) {
+        ws.cache_rows.push_back((block_table[j] * s.block_size + offset) * s.num_kv_heads + first_kv_head);
+      }
+    }
+  }
+}
+
+// Sizes the buffers for G query heads of n tokens; the query heads, scaled, go to ws.query.
+template <typename scalar_t>
+void prepare(const scalar_t* q, int64_t G, const Shape& s, float scale, Workspace& ws) {
+  const int64_t D = s.head_dim;
+  ws.query.resize(G * D);
+  ws.acc.assign(G * D, 0.f);
+  ws.scores.resize(G * s.max_tokens);
+  ws.max_score.assign(G, -std::numeric_limits<float>::infinity());
+  ws.inv_sum.resize(G);
+  for (int64_t i = 0; i < G * D; ++i) ws.query[i] = static_cast<float>(q[i]) * scale;
+}
+
+// The scores of each head become exp(score - max) in place; ws.inv_sum gets 1 / their sum.
+void softmax(int64_t G, int64_t n, int64_t L, Workspace& ws) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = ws.scores.data() + g * L;
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      sg[i] = heteroserve::exp_nonpositive(sg[i] - ws.max_score[g]);
+      sum += sg[i];
+    }
+    ws.inv_sum[g] = n > 0 ? 1.f / sum : 0.f;
+  }
+}
+
+// Any dtype and head size.
 template <typename scalar_t>
 void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_table,
             const bool* mask, int64_t first_kv_head, const Shape& s, float scale, Workspace& ws, scalar_t* out) {
   const int64_t G = s.group * s.heads_per_item, D = s.head_dim, L = s.max_tokens;  // G: query heads of the item
-  ws.query.resize(G * D);
-  ws.acc.assign(G * D, 0.f);
-  ws.scores.resize(G * L);
-  ws.max_score.assign(G, -std::numeric_limits<float>::infinity());
-  ws.inv_sum.resize(G);
-  float* qf = ws.query.data();
-  float* acc = ws.acc.data();
+  prepare(q, G, s, scale, ws);
+  gather_rows(block_table, mask, first_kv_head, s, ws);
+  const int64_t n = static_cast<int64_t>(ws.cache_rows.size());
+  const float* qf = ws.query.data();
   float* scores = ws.scores.data();
-  std::vector<int64_t>& cache_rows = ws.cache_rows;
-  cache_rows.clear();
-  for (int64_t j = 0; j < L / s.block_size; ++j) {
-    for (int64_t offset = 0; offset < s.block_size; ++offset) {
-      if (mask[j * s.block_size + offset]) {
-        cache_rows.push_back((block_table[j] * s.block_size + offset) * s.num_kv_heads + first_kv_head);
-      }
-    }
-  }
-  const int64_t n = static_cast<int64_t>(cache_rows.size());
-  for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
-
-  std::vector<float>& max_score = ws.max_score;
   for (int64_t i = 0; i < n; ++i) {
-    const scalar_t* k_row = k_cache + cache_rows[i] * D;
-    if (i + kPrefetchAhead < n) prefetch(k_cache + cache_rows[i + kPrefetchAhead] * D, s.heads_per_item * D);
+    const scalar_t* k_row = k_cache + ws.cache_rows[i] * D;
+    if (i + kPrefetchAhead < n) prefetch(k_cache + ws.cache_rows[i + kPrefetchAhead] * D, s.heads_per_item * D);
     for (int64_t h = 0; h < s.heads_per_item; ++h) {
       const scalar_t* k = k_row + h * D;
       for (int64_t g = h * s.group; g < (h + 1) * s.group; ++g) {
@@ -82,24 +106,15 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
         float dot = 0.f;
         for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
         scores[g * L + i] = dot;
-        max_score[g] = std::max(max_score[g], dot);
+        ws.max_score[g] = std::max(ws.max_score[g], dot);
       }
     }
   }
-  std::vector<float>& inv_sum = ws.inv_sum;
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * L;
-    float sum = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
-      sg[i] = heteroserve::exp_nonpositive(sg[i] - max_score[g]);
-      sum += sg[i];
-    }
-    inv_sum[g] = n > 0 ? 1.f / sum : 0.f;
-  }
-
+  softmax(G, n, L, ws);
+  float* acc = ws.acc.data();
   for (int64_t i = 0; i < n; ++i) {
-    const scalar_t* v_row = v_cache + cache_rows[i] * D;
-    if (i + kPrefetchAhead < n) prefetch(v_cache + cache_rows[i + kPrefetchAhead] * D, s.heads_per_item * D);
+    const scalar_t* v_row = v_cache + ws.cache_rows[i] * D;
+    if (i + kPrefetchAhead < n) prefetch(v_cache + ws.cache_rows[i + kPrefetchAhead] * D, s.heads_per_item * D);
     for (int64_t h = 0; h < s.heads_per_item; ++h) {
       const scalar_t* v = v_row + h * D;
       for (int64_t g = h * s.group; g < (h + 1) * s.group; ++g) {
@@ -110,8 +125,73 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<scalar_t>(acc[g * D + d] * inv_sum[g]);
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<scalar_t>(acc[g * D + d] * ws.inv_sum[g]);
   }
+}
+
+// float32 with a head size of D, a whole number of machine vectors: each K and V row is held in registers and
+// dotted with / added to every query head of its group without run-time loop bounds. 1.15-1.2x faster than
+// `attend` on scenario B's decode steps (Intel Xeon, AVX-512), which then read the cache at ~23 of the
+// ~28 GB/s a plain read of the same blocks reaches.
+template <int D>
+void attend_vectors(const float* q, const float* k_cache, const float* v_cache, const int64_t* block_table,
+                    const bool* mask, int64_t first_kv_head, const Shape& s, float scale, Workspace& ws, float* out) {
+  constexpr int kVectors = D / heteroserve::kLanes;
+  using heteroserve::load, heteroserve::vec;
+  const int64_t G = s.group * s.heads_per_item, L = s.max_tokens, H = s.heads_per_item;
+  prepare(q, G, s, scale, ws);
+  gather_rows(block_table, mask, first_kv_head, s, ws);
+  const int64_t n = static_cast<int64_t>(ws.cache_rows.size());
+  const float* qf = ws.query.data();
+  float* scores = ws.scores.data();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* k_row = k_cache + ws.cache_rows[i] * D;
+    if (i + kPrefetchAhead < n) prefetch(k_cache + ws.cache_rows[i + kPrefetchAhead] * D, H * D);
+    for (int64_t h = 0; h < H; ++h) {
+      vec k[kVectors];
+      for (int v = 0; v < kVectors; ++v) k[v] = load(k_row + h * D + v * heteroserve::kLanes);
+      for (int64_t g = h * s.group; g < (h + 1) * s.group; ++g) {
+        const float* qg = qf + g * D;
+        vec dot = load(qg) * k[0];
+        for (int v = 1; v < kVectors; ++v) dot += load(qg + v * heteroserve::kLanes) * k[v];
+        scores[g * L + i] = heteroserve::horizontal_sum(dot);
+        ws.max_score[g] = std::max(ws.max_score[g], scores[g * L + i]);
+      }
+    }
+  }
+  softmax(G, n, L, ws);
+  ws.vector_acc.assign(G * kVectors, vec{});
+  vec* acc = ws.vector_acc.data();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* v_row = v_cache + ws.cache_rows[i] * D;
+    if (i + kPrefetchAhead < n) prefetch(v_cache + ws.cache_rows[i + kPrefetchAhead] * D, H * D);
+    for (int64_t h = 0; h < H; ++h) {
+      vec v_vectors[kVectors];
+      for (int v = 0; v < kVectors; ++v) v_vectors[v] = load(v_row + h * D + v * heteroserve::kLanes);
+      for (int64_t g = h * s.group; g < (h + 1) * s.group; ++g) {
+        const float p = scores[g * L + i];
+        for (int v = 0; v < kVectors; ++v) acc[g * kVectors + v] += p * v_vectors[v];
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    for (int v = 0; v < kVectors; ++v) {
+      heteroserve::store(out + g * D + v * heteroserve::kLanes, acc[g * kVectors + v] * ws.inv_sum[g]);
+    }
+  }
+}
+
+// One work item: float32 with head size 64 or 128 (most models) takes attend_vectors, the rest attend.
+template <typename scalar_t>
+void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_table,
+                 const bool* mask, int64_t first_kv_head, const Shape& s, float scale, Workspace& ws, scalar_t* out) {
+  attend(q, k_cache, v_cache, block_table, mask, first_kv_head, s, scale, ws, out);
+}
+
+void attend_item(const float* q, const float* k_cache, const float* v_cache, const int64_t* block_table,
+                 const bool* mask, int64_t first_kv_head, const Shape& s, float scale, Workspace& ws, float* out) {
+  auto* body = s.head_dim == 64 ? attend_vectors<64> : s.head_dim == 128 ? attend_vectors<128> : attend<float>;
+  body(q, k_cache, v_cache, block_table, mask, first_kv_head, s, scale, ws, out);
 }
 
 }  // namespace
@@ -166,8 +246,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
       for (int64_t item = begin; item < end; ++item) {
         const int64_t b = item / items_per_request, h = item % items_per_request * heads_per_item;
         const int64_t head = (b * Hq + h * shape.group) * D;  // the group's first query head
-        attend(q_data + head, k_data, v_data, table_data + b * block_tables.size(1), mask_data + b * L, h, shape,
-               static_cast<float>(scale), workspace, out_data + head);
+        attend_item(q_data + head, k_data, v_data, table_data + b * block_tables.size(1), mask_data + b * L, h,
+                    shape, static_cast<float>(scale), workspace, out_data + head);
       }
     });
   });

@@ -1,4 +1,4 @@
-// Math the kernels share, written so that GCC vectorises the loops calling it (std::exp is a scalar call).
+// The machine vector and the math the kernels share, written so that GCC vectorises the loops calling it.
 #pragma once
 
 #include <cmath>
@@ -6,6 +6,30 @@
 #include <cstring>
 
 namespace heteroserve {
+
+// One machine vector of floats (GCC vector extensions: AVX-512, AVX2 or NEON registers without intrinsics).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float horizontal_sum(vec v) {
+  float sum = 0.f;
+  for (int i = 0; i < kLanes; ++i) sum += v[i];
+  return sum;
+}
 
 // exp(x) for x <= 0 (a score minus the row's maximum), written so the compiler vectorises the softmax loop
 // (std::exp is a scalar call): x = k ln2 + r with |r| <= ln2/2, exp(r) by its degree-7 Taylor polynomial
