@@ -124,12 +124,55 @@ def test_cpu_platform_runs_its_operators_through_the_kernels(fused):
     platform = CpuPlatform()
     described = platform.operator_table(torch.float32).describe()
     assert {name: described[name] for name in fused} == {name: k.kernel_name for name, k in fused.items()}
-    assert described["write_kv"] == described["prefill_attention"] == "torch reference"
+    assert described["write_kv"] == "torch reference"
     reference = platform.operator_table(torch.float32, kernels="reference").describe()
     assert {reference[name] for name in fused} == {"torch reference"}
     # bfloat16 activations: the attention kernel, the reference element-wise operators
     bf16 = platform.operator_table(torch.bfloat16).describe()
     assert bf16["decode_attention"] == fused["decode_attention"].kernel_name and bf16["rms_norm"] == "torch reference"
+
+
+def prompt_chunk(num_queries, context, num_heads, num_kv_heads, head_dim, sliding_window=None, seed=0):
+    """q, keys, values and mask of a prompt chunk as build_attention_metadata makes them: the chunk's queries
+    sit after `context - num_queries` cached tokens; the mask is None for a whole prompt without a window."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_queries, num_heads, head_dim, generator=gen)
+    keys, values = (torch.randn(context, num_kv_heads, head_dim, generator=gen) for _ in range(2))
+    meta = build_attention_metadata(
+        BLOCK_SIZE, [0] * num_queries, [], [(0, num_queries, context - num_queries, [0])], sliding_window, "cpu"
+    )
+    return q, keys, values, meta.prefills[0].mask, head_dim**-0.5
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize(
+    "num_queries,context,window",
+    [(1, 1, None), (13, 13, None), (128, 128, None), (300, 300, None), (37, 100, None), (50, 300, 64), (90, 90, 32)],
+)
+def test_prefill_attention_matches_the_reference(
+    fused, num_queries, context, window, head_dim, num_heads, num_kv_heads
+):
+    """Whole prompts (causal, no mask), chunks after a cached prefix, sliding windows; row counts that are not a
+    whole number of the kernel's query tiles."""
+    args = prompt_chunk(num_queries, context, num_heads, num_kv_heads, head_dim, window, seed=num_queries + head_dim)
+    out, expected = fused["prefill_attention"](*args), reference_ops.prefill_attention(*args)
+    assert out.shape == expected.shape
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_keeps_the_reference_for_head_sizes_off_the_tile(fused):
+    """Head sizes that are not a whole number of the tile's panels (32 columns with AVX-512) go to SDPA."""
+    panel = torch.ops.heteroserve.pack_linear_weight(torch.zeros(1, 1)).shape[-1]
+    for head_dim in (8, 24, 48, 64, 80):
+        assert torch.ops.heteroserve.prefill_attention_supports(head_dim) == (head_dim % panel == 0)
+        args = prompt_chunk(20, 20, 4, 2, head_dim)
+        torch.testing.assert_close(
+            fused["prefill_attention"](*args), reference_ops.prefill_attention(*args), rtol=1e-5, atol=1e-5
+        )
+    q, keys, values, _, scale = prompt_chunk(5, 9, 4, 2, 64)
+    with pytest.raises(RuntimeError, match="without a mask the chunk must be all the keys"):
+        torch.ops.heteroserve.prefill_attention(q, keys, values, None, scale)
 
 
 def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
