@@ -41,16 +41,17 @@ std::pair<at::Tensor, at::Tensor> pack_keys_values(const at::Tensor& keys, const
   at::Tensor k_packed = at::zeros({Hkv, key_panels, D, kPanel}, keys.options());
   at::Tensor v_packed = at::zeros({Hkv, D / kPanel, v_rows, kPanel}, values.options());
   const float* k = keys.const_data_ptr<float>();
+  const int64_t k_strides[2] = {keys.stride(0), keys.stride(1)}, v_strides[2] = {values.stride(0), values.stride(1)};
   const float* v = values.const_data_ptr<float>();
   float* kp = k_packed.data_ptr<float>();
   float* vp = v_packed.data_ptr<float>();
   at::parallel_for(0, Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h) {
       for (int64_t j = 0; j < ctx; ++j) {
-        const float* k_row = k + (j * Hkv + h) * D;
+        const float* k_row = k + j * k_strides[0] + h * k_strides[1];
         float* k_panel = kp + ((h * key_panels + j / kPanel) * D) * kPanel + j % kPanel;
         for (int64_t d = 0; d < D; ++d) k_panel[d * kPanel] = k_row[d];
-        const float* v_row = v + (j * Hkv + h) * D;
+        const float* v_row = v + j * v_strides[0] + h * v_strides[1];
         for (int64_t p = 0; p < D / kPanel; ++p) {
           std::copy(v_row + p * kPanel, v_row + (p + 1) * kPanel, vp + ((h * (D / kPanel) + p) * v_rows + j) * kPanel);
         }
@@ -139,12 +140,15 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& keys_in, 
   } else {
     TORCH_CHECK(ctx == n, "prefill_attention: without a mask the chunk must be all the keys");
   }
-  const at::Tensor q = q_in.contiguous();
-  const auto [k_packed, v_packed] = pack_keys_values(keys_in.contiguous(), values_in.contiguous());
+  // Heads may be views of the fused qkv projection: only each head's D values need to be consecutive.
+  const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  const auto [k_packed, v_packed] = pack_keys_values(keys_in.stride(2) == 1 ? keys_in : keys_in.contiguous(),
+                                                     values_in.stride(2) == 1 ? values_in : values_in.contiguous());
   const bool* mask_data = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
   const std::vector<int64_t> ends = visible_ends(n, ctx, mask_data);
   at::Tensor out = at::empty({n, Hq, D}, q.options());
   const float* qd = q.const_data_ptr<float>();
+  const int64_t q_strides[2] = {q.stride(0), q.stride(1)};
   const float* kp = k_packed.const_data_ptr<float>();
   const float* vp = v_packed.const_data_ptr<float>();
   float* od = out.data_ptr<float>();
@@ -161,7 +165,8 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& keys_in, 
       const int rows = static_cast<int>(std::min<int64_t>(kTileRows, n - i0));
       const int64_t width = *std::max_element(ends.begin() + i0, ends.begin() + i0 + rows);
       for (int r = 0; r < rows; ++r) {
-        for (int64_t d = 0; d < D; ++d) query[r * D + d] = qd[((i0 + r) * Hq + head) * D + d] * fscale;
+        const float* q_row = qd + (i0 + r) * q_strides[0] + head * q_strides[1];
+        for (int64_t d = 0; d < D; ++d) query[r * D + d] = q_row[d] * fscale;
       }
       const int64_t panels = (width + kPanel - 1) / kPanel, stride = row_stride(panels * kPanel);
       const int64_t keys = row_stride(width);  // P's row stride, V's rows past width are zero
