@@ -133,8 +133,9 @@ def test_cpu_platform_runs_its_operators_through_the_kernels(fused):
 
 
 def prompt_chunk(num_queries, context, num_heads, num_kv_heads, head_dim, sliding_window=None, seed=0):
-    """q, keys, values (strided views) and mask of a prompt chunk as build_attention_metadata makes them: the chunk's queries
-    sit after `context - num_queries` cached tokens; the mask is None for a whole prompt without a window."""
+    """q, keys, values (strided views) and mask of a prompt chunk as build_attention_metadata makes them: the
+    chunk's queries sit after `context - num_queries` cached tokens; the mask is None for a whole prompt without
+    a window."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(num_queries, num_heads + 1, head_dim, generator=gen)[:, 1:]  # views, as split from qkv
     keys, values = torch.randn(context, 2 * num_kv_heads, head_dim, generator=gen).split(num_kv_heads, dim=1)

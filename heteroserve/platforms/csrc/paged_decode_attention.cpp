@@ -61,12 +61,11 @@ void gather_rows(const int64_t* block_table, const bool* mask, int64_t first_kv_
   }
 }
 
-// Sizes the buffers for G query heads of n tokens; the query heads, scaled, go to ws.query.
+// Sizes the score buffers for G query heads; the query heads, scaled, go to ws.query.
 template <typename scalar_t>
 void prepare(const scalar_t* q, int64_t G, const Shape& s, float scale, Workspace& ws) {
   const int64_t D = s.head_dim;
   ws.query.resize(G * D);
-  ws.acc.assign(G * D, 0.f);
   ws.scores.resize(G * s.max_tokens);
   ws.max_score.assign(G, -std::numeric_limits<float>::infinity());
   ws.inv_sum.resize(G);
@@ -111,6 +110,7 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
     }
   }
   softmax(G, n, L, ws);
+  ws.acc.assign(G * D, 0.f);
   float* acc = ws.acc.data();
   for (int64_t i = 0; i < n; ++i) {
     const scalar_t* v_row = v_cache + ws.cache_rows[i] * D;
