@@ -8,6 +8,9 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 # None: what the checkpoint has (detected: GGUF, GPTQ, AWQ or float); "none": dequantise everything;
 # "gguf" / "gptq" / "awq": insist on that format; "int4" / "int8": quantise a float checkpoint at load time.
 QUANTIZATIONS = (None, "none", "gguf", "gptq", "awq", "int4", "int8")
+# "auto": the activations' dtype; a 16-bit cache under float32 activations halves the KV memory and what a decode
+# step reads from it (llama.cpp keeps its cache in float16 by default, F32 weights included).
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -38,8 +41,11 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # overrides the budget, for tests and tuning
     gpu_memory_utilization: float | None = None  # devices: share of memory for weights + KV (None: platform's)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:

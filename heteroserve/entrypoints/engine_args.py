@@ -6,6 +6,7 @@ import argparse
 import json
 
 from heteroserve.config import (
+    KV_CACHE_DTYPES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -41,6 +42,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="devices: share of device memory for weights + KV cache (default 0.9); CPU: use --kv-cache-memory-bytes",
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="KV cache dtype (auto: the activations'); float16 or bfloat16 under float32 activations halves the "
+        "cache's memory and what decode attention reads, at 16-bit precision for keys and values",
     )
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     group.add_argument(
@@ -138,6 +146,7 @@ def engine_config_from_args(model: str | None, args: argparse.Namespace) -> Engi
             args.kv_cache_memory_bytes,
             args.enable_prefix_caching,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             args.max_num_seqs,

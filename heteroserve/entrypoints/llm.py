@@ -41,6 +41,7 @@ class LLM:
         kv_cache_memory_bytes: int | None = None,
         num_kv_blocks: int | None = None,
         gpu_memory_utilization: float | None = None,
+        kv_cache_dtype: str = "auto",
         scheduling_policy: str = "fcfs",
         generation_config: str = "auto",
         device: str = "auto",
@@ -63,7 +64,12 @@ class LLM:
         config = EngineConfig(
             model=ModelConfig(model, dtype, max_model_len, seed, quantization, generation_config=generation_config),
             cache=CacheConfig(
-                block_size, kv_cache_memory_bytes, enable_prefix_caching, num_kv_blocks, gpu_memory_utilization
+                block_size,
+                kv_cache_memory_bytes,
+                enable_prefix_caching,
+                num_kv_blocks,
+                gpu_memory_utilization,
+                kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, scheduling_policy),
             device=DeviceConfig(device, kernels),

@@ -41,10 +41,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Stores token i's k, v at cache slot slot_mapping[i]; caches are [blocks, block_size, Hkv, D]."""
+    """Stores token i's k, v at cache slot slot_mapping[i]; caches are [blocks, block_size, Hkv, D], in the
+    activations' dtype or a narrower one (`kv_cache_dtype`)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def decode_attention(
@@ -59,8 +60,8 @@ def decode_attention(
     b, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     shape = (b, -1, num_kv_heads, head_dim)
-    keys = k_cache.index_select(0, block_tables.flatten()).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_cache.index_select(0, block_tables.flatten()).view(shape).transpose(1, 2)
+    keys = k_cache.index_select(0, block_tables.flatten()).view(shape).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+    values = v_cache.index_select(0, block_tables.flatten()).view(shape).transpose(1, 2).to(q.dtype)
     q = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)  # query head h uses kv head h // group
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(b, num_heads, head_dim)

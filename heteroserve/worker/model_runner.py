@@ -26,6 +26,20 @@ class StepResult:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for tokens start+1 .. in order
 
 
+def kv_cache_dtype(name: str, activations: torch.dtype) -> torch.dtype:
+    """The cache's dtype: the activations' ("auto"), or one no wider than them that the attention operators widen
+    as they read (a 16-bit cache under float32 activations)."""
+    if name == "auto":
+        return activations
+    dtype = getattr(torch, name)
+    if dtype != activations and activations != torch.float32:
+        raise ValueError(
+            f"kv_cache_dtype={name} needs float32 activations or the same dtype, and the model runs in "
+            f"{str(activations).removeprefix('torch.')}; use --kv-cache-dtype auto"
+        )
+    return dtype
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, platform: Platform, cache_config: CacheConfig, seed: int) -> None:
         self.model = loaded.model
@@ -33,6 +47,7 @@ class ModelRunner:
         self.platform = platform
         self.device = platform.device
         self.dtype = loaded.dtype
+        self.cache_dtype = kv_cache_dtype(cache_config.kv_cache_dtype, loaded.dtype)
         self.block_size = cache_config.block_size
         self.stop_ids = [loaded.eos_token_id] if loaded.eos_token_id is not None else []
         self.num_blocks = (
@@ -53,7 +68,7 @@ class ModelRunner:
             self.arch.num_kv_heads,
             self.arch.head_dim,
         )
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
         self.sampler = Sampler()
         self.images = ImageInputs(loaded.vision, self.device) if loaded.vision is not None else None
         self._seeds = random.Random(seed)
@@ -61,7 +76,7 @@ class ModelRunner:
 
     def bytes_per_block(self) -> int:
         a = self.arch
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.cache_dtype.itemsize
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from heteroserve import LLM, SamplingParams
 
@@ -25,6 +26,9 @@ CHAT_PROMPTS = [
     [{"role": "user", "content": "请把这句话翻译成英文：我喜欢学习。"}],
 ]
 ENGINE_KWARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 128 * 1024**2, "quantization": "none"}
+# Keys and values rounded to 16 bits move the default model's logprobs by up to ~5e-3 (float16) and ~2e-2
+# (bfloat16) from transformers' float32 ones on these prompts: a divergence is accepted below these top-2 gaps.
+KV_ROUNDING = {"float16": 2e-2, "bfloat16": 6e-2}
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +97,24 @@ def test_preemption_by_recompute(prompts, references, greedy_comparison):
     assert llm.engine.scheduler.kv_cache.pool.num_free_blocks == 8
     for i, (ours, ref) in enumerate(zip(outputs, references, strict=True)):
         greedy_comparison.check(f"preempted[{i}]", ours, ref)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+def test_16bit_kv_cache(kv_cache_dtype, default_llm, prompts, references, greedy_comparison):
+    """--kv-cache-dtype under float32 activations: twice the blocks in the same memory, and transformers' float32
+    tokens and logprobs to within the cache's rounding."""
+    llm = LLM(**ENGINE_KWARGS, kv_cache_dtype=kv_cache_dtype)
+    runner = llm.engine.executor.worker.runner
+    assert runner.kv_cache.dtype == getattr(torch, kv_cache_dtype)
+    assert runner.num_blocks == 2 * default_llm.engine.executor.worker.runner.num_blocks
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tolerance = KV_ROUNDING[kv_cache_dtype]
+    for i, (output, ref) in enumerate(zip(outputs, references, strict=True)):
+        ours = output.outputs[0]
+        greedy_comparison.check(f"kv-{kv_cache_dtype}[{i}]", ours.token_ids, ref, near_tie=tolerance)
+        for step, (token, theirs) in enumerate(zip(ours.token_ids, ref.tokens, strict=False)):
+            if token != theirs:
+                break
+            expected = torch.log_softmax(ref.logits[step], -1)[token].item()
+            assert abs(ours.logprobs[step][token].logprob - expected) < tolerance / 2, (i, step)

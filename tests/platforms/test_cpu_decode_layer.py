@@ -29,15 +29,26 @@ def _logprob_rows(output) -> torch.Tensor:
 
 # qwen2: q/k/v biases; mistral: a sliding window shorter than the prompts; llama3: scaled rotary tables;
 # int4: 4-bit projections (our VNNI kernel, else torch's int4 kernel, below 8 rows; our panel kernel from 8).
-# qwen3: per-head q/k norms, head_dim 32 != hidden / heads.
-CASES = [("qwen2", None), ("mistral", None), ("llama3", None), ("qwen3", None), ("qwen2", "int4")]
+# qwen3: per-head q/k norms, head_dim 32 != hidden / heads. float16 / bfloat16: a 16-bit KV cache the fused layer
+# writes and reads as the operators do.
+CASES = [
+    ("qwen2", None, "auto"),
+    ("mistral", None, "auto"),
+    ("llama3", None, "auto"),
+    ("qwen3", None, "auto"),
+    ("qwen2", "int4", "auto"),
+    ("llama3", None, "float16"),
+    ("qwen3", None, "bfloat16"),
+]
 
 
-@pytest.mark.parametrize("name,quantization", CASES)
-def test_fused_layer_matches_operator_by_operator(name, quantization, tmp_path):
+@pytest.mark.parametrize("name,quantization,kv_cache_dtype", CASES)
+def test_fused_layer_matches_operator_by_operator(name, quantization, kv_cache_dtype, tmp_path):
     tiny = save_tiny(name, tmp_path)
     # Without prefix caching the second run's prefills are computed as the first run's were, not from cached blocks.
-    llm = tiny.llm(block_size=8, quantization=quantization, enable_prefix_caching=False)
+    llm = tiny.llm(block_size=8, quantization=quantization, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+    cache_dtype = torch.float32 if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+    assert llm.engine.executor.worker.runner.kv_cache.dtype == cache_dtype
     layers = _model(llm).layers
     if quantization == "int4" and not isinstance(layers[0].gate_up_proj, CpuInt4Weight):
         pytest.skip("torch's CPU int4 kernel is not usable here")

@@ -112,6 +112,27 @@ def test_half_precision_caches_accumulate_in_float32(kernel, dtype):
     assert _relative_error(out, expected) < 1e-2  # the output's own rounding
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])  # the generic loop; the vector path
+@pytest.mark.parametrize("batch", [1, 64])
+def test_float32_queries_over_a_16bit_cache(kernel, cache_dtype, head_dim, batch):
+    """`--kv-cache-dtype float16|bfloat16`: the kernel widens the rows it reads; the result is the reference's over
+    the same cache widened to float32, to float32 rounding."""
+    lengths = (EDGE_LENGTHS * 8)[:batch]
+    q, k_cache, v_cache, tables, mask, scale = paged_batch(lengths, 9, 3, head_dim)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    out = kernel(q, k_cache, v_cache, tables, mask, scale)
+    assert out.dtype == torch.float32
+    expected = reference_ops.decode_attention(q, k_cache, v_cache, tables, mask, scale)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_float16_queries_over_a_float32_cache_are_an_error(kernel):
+    q, k_cache, v_cache, tables, mask, scale = paged_batch([20], 9, 3, 64)
+    with pytest.raises(RuntimeError, match="q float32 over a float16 or bfloat16 cache"):
+        kernel(q.half(), k_cache, v_cache, tables, mask, scale)
+
+
 def test_bad_block_id_is_an_error_not_a_crash(kernel):
     q, k_cache, v_cache, tables, mask, scale = paged_batch([20], 9, 3, 64)
     tables = tables.clone()

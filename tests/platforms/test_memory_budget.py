@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from heteroserve.config import CacheConfig
 from heteroserve.entrypoints.engine_args import engine_config_from_args
 from heteroserve.entrypoints.openai.api_server import make_parser
 from heteroserve.platforms.cpu import CpuPlatform
 from heteroserve.platforms.interface import Platform
+from heteroserve.worker.model_runner import kv_cache_dtype
 
 GiB = 1024**3
 
@@ -43,3 +45,22 @@ def test_flag_reaches_the_cache_config_and_is_checked():
     assert engine_config_from_args(None, args).cache.gpu_memory_utilization == 0.75
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         CacheConfig(gpu_memory_utilization=1.5)
+
+
+def test_kv_cache_dtype_flag_reaches_the_cache_config_and_is_checked(capsys):
+    args = make_parser().parse_args(["--kv-cache-dtype", "float16"])
+    assert engine_config_from_args(None, args).cache.kv_cache_dtype == "float16"
+    assert engine_config_from_args(None, make_parser().parse_args([])).cache.kv_cache_dtype == "auto"
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["--kv-cache-dtype", "int3"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16, bfloat16"):
+        CacheConfig(kv_cache_dtype="fp8")
+
+
+def test_kv_cache_dtype_is_the_activations_or_narrower_under_float32():
+    assert kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert kv_cache_dtype("float16", torch.float32) == torch.float16
+    assert kv_cache_dtype("bfloat16", torch.bfloat16) == torch.bfloat16
+    with pytest.raises(ValueError, match="kv_cache_dtype=float32 needs float32 activations"):
+        kv_cache_dtype("float32", torch.float16)

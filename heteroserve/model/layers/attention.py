@@ -3,7 +3,8 @@
 The KV cache of a layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]; token t of a
 request lives in block `block_table[t // block_size]` at offset `t % block_size`. The flattened batch
 holds decode tokens (one query each, attended in one batched call) first, then prefill chunks, each of
-which attends causally over its cached prefix plus itself.
+which attends causally over its cached prefix plus itself. The cache may be narrower than the activations
+(`kv_cache_dtype`): keys and values are rounded as they are written and widened where they are read.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def paged_attention(
             keys, values = k[rows], v[rows]
         else:
             context = chunk.start_pos + chunk.num_queries
-            keys = k_cache.index_select(0, chunk.block_ids).flatten(0, 1)[:context]
-            values = v_cache.index_select(0, chunk.block_ids).flatten(0, 1)[:context]
+            keys = k_cache.index_select(0, chunk.block_ids).flatten(0, 1)[:context].to(q.dtype)
+            values = v_cache.index_select(0, chunk.block_ids).flatten(0, 1)[:context].to(q.dtype)
         out[rows] = ops.prefill_attention(q[rows], keys, values, chunk.mask, scale)
     return out

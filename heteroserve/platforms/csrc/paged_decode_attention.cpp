@@ -5,7 +5,8 @@
 // Each K row is loaded once and dotted with every query head of its group (GQA); softmax is two-pass in
 // float32 (scores kept per item); then each V row is loaded once and added to every head's float32
 // accumulator. Tokens whose mask entry is false (past the context, outside a sliding window) are never read,
-// so padding in the block table costs nothing.
+// so padding in the block table costs nothing. The cache may hold float16 or bfloat16 under float32 queries
+// (`--kv-cache-dtype`): rows are widened as they are loaded, halving what a step reads.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -21,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -86,8 +88,8 @@ void softmax(int64_t G, int64_t n, int64_t L, Workspace& ws) {
 }
 
 // Any dtype and head size.
-template <typename scalar_t>
-void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_table,
+template <typename scalar_t, typename cache_t>
+void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, const int64_t* block_table,
             const bool* mask, int64_t first_kv_head, const Shape& s, float scale, Workspace& ws, scalar_t* out) {
   const int64_t G = s.group * s.heads_per_item, D = s.head_dim, L = s.max_tokens;  // G: query heads of the item
   prepare(q, G, s, scale, ws);
@@ -96,10 +98,10 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
   const float* qf = ws.query.data();
   float* scores = ws.scores.data();
   for (int64_t i = 0; i < n; ++i) {
-    const scalar_t* k_row = k_cache + ws.cache_rows[i] * D;
+    const cache_t* k_row = k_cache + ws.cache_rows[i] * D;
     if (i + kPrefetchAhead < n) prefetch(k_cache + ws.cache_rows[i + kPrefetchAhead] * D, s.heads_per_item * D);
     for (int64_t h = 0; h < s.heads_per_item; ++h) {
-      const scalar_t* k = k_row + h * D;
+      const cache_t* k = k_row + h * D;
       for (int64_t g = h * s.group; g < (h + 1) * s.group; ++g) {
         const float* qg = qf + g * D;
         float dot = 0.f;
@@ -113,10 +115,10 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
   ws.acc.assign(G * D, 0.f);
   float* acc = ws.acc.data();
   for (int64_t i = 0; i < n; ++i) {
-    const scalar_t* v_row = v_cache + ws.cache_rows[i] * D;
+    const cache_t* v_row = v_cache + ws.cache_rows[i] * D;
     if (i + kPrefetchAhead < n) prefetch(v_cache + ws.cache_rows[i + kPrefetchAhead] * D, s.heads_per_item * D);
     for (int64_t h = 0; h < s.heads_per_item; ++h) {
-      const scalar_t* v = v_row + h * D;
+      const cache_t* v = v_row + h * D;
       for (int64_t g = h * s.group; g < (h + 1) * s.group; ++g) {
         const float p = scores[g * L + i];
         float* ag = acc + g * D;
@@ -131,12 +133,12 @@ void attend(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
 
 // Calls fn(i, h, row) with the D floats of KV head h of every attended token i, as machine vectors, in order,
 // prefetching rows a few tokens ahead.
-template <int D, typename Fn>
-void for_each_head_row(const float* cache, const Shape& s, const Workspace& ws, Fn&& fn) {
+template <int D, typename cache_t, typename Fn>
+void for_each_head_row(const cache_t* cache, const Shape& s, const Workspace& ws, Fn&& fn) {
   constexpr int kVectors = D / heteroserve::kLanes;
   const int64_t n = static_cast<int64_t>(ws.cache_rows.size()), H = s.heads_per_item;
   for (int64_t i = 0; i < n; ++i) {
-    const float* row = cache + ws.cache_rows[i] * D;
+    const cache_t* row = cache + ws.cache_rows[i] * D;
     if (i + kPrefetchAhead < n) prefetch(cache + ws.cache_rows[i + kPrefetchAhead] * D, H * D);
     for (int64_t h = 0; h < H; ++h) {
       heteroserve::vec vectors[kVectors];
@@ -146,12 +148,12 @@ void for_each_head_row(const float* cache, const Shape& s, const Workspace& ws, 
   }
 }
 
-// float32 with a head size of D, a whole number of machine vectors: each K and V row is held in registers and
+// float32 queries with a head size of D, a whole number of machine vectors: each K and V row is held in registers and
 // dotted with / added to every query head of its group without run-time loop bounds. 1.15-1.2x faster than
 // `attend` on scenario B's decode steps (Intel Xeon, AVX-512), which then read the cache at ~23 of the
 // ~28 GB/s a plain read of the same blocks reaches.
-template <int D>
-void attend_vectors(const float* q, const float* k_cache, const float* v_cache, const int64_t* block_table,
+template <int D, typename cache_t>
+void attend_vectors(const float* q, const cache_t* k_cache, const cache_t* v_cache, const int64_t* block_table,
                     const bool* mask, int64_t first_kv_head, const Shape& s, float scale, Workspace& ws, float* out) {
   constexpr int kVectors = D / heteroserve::kLanes;
   using heteroserve::kLanes, heteroserve::load, heteroserve::vec;
@@ -183,17 +185,38 @@ void attend_vectors(const float* q, const float* k_cache, const float* v_cache, 
   }
 }
 
-// One work item: float32 with head size 64 or 128 (most models) takes attend_vectors, the rest attend.
-template <typename scalar_t>
-void attend_item(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, const int64_t* block_table,
+// One work item: float32 queries with head size 64 or 128 (most models) take attend_vectors, the rest attend.
+template <typename scalar_t, typename cache_t>
+void attend_item(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, const int64_t* block_table,
                  const bool* mask, int64_t first_kv_head, const Shape& s, float scale, Workspace& ws, scalar_t* out) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (s.head_dim == 64 || s.head_dim == 128) {
+      auto* body = s.head_dim == 64 ? attend_vectors<64, cache_t> : attend_vectors<128, cache_t>;
+      return body(q, k_cache, v_cache, block_table, mask, first_kv_head, s, scale, ws, out);
+    }
+  }
   attend(q, k_cache, v_cache, block_table, mask, first_kv_head, s, scale, ws, out);
 }
 
-void attend_item(const float* q, const float* k_cache, const float* v_cache, const int64_t* block_table,
-                 const bool* mask, int64_t first_kv_head, const Shape& s, float scale, Workspace& ws, float* out) {
-  auto* body = s.head_dim == 64 ? attend_vectors<64> : s.head_dim == 128 ? attend_vectors<128> : attend<float>;
-  body(q, k_cache, v_cache, block_table, mask, first_kv_head, s, scale, ws, out);
+// Every work item of the batch, shared out over the threads.
+template <typename scalar_t, typename cache_t>
+void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* tables,
+                int64_t table_width, const bool* mask, const Shape& shape, float scale, at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), L = shape.max_tokens;
+  const int64_t items_per_request = shape.num_kv_heads / shape.heads_per_item;
+  const scalar_t* q_data = q.const_data_ptr<scalar_t>();
+  const cache_t* k_data = k_cache.const_data_ptr<cache_t>();
+  const cache_t* v_data = v_cache.const_data_ptr<cache_t>();
+  scalar_t* out_data = out.data_ptr<scalar_t>();
+  at::parallel_for(0, B * items_per_request, 1, [&](int64_t begin, int64_t end) {
+    Workspace workspace;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / items_per_request, h = item % items_per_request * shape.heads_per_item;
+      const int64_t head = (b * Hq + h * shape.group) * D;  // the group's first query head
+      attend_item(q_data + head, k_data, v_data, tables + b * table_width, mask + b * L, h, shape, scale, workspace,
+                  out_data + head);
+    }
+  });
 }
 
 }  // namespace
@@ -205,8 +228,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4, "q must be [B, Hq, D] and the caches [N, block_size, Hkv, D]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
-  TORCH_CHECK(q_in.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must have one dtype");
+  const at::ScalarType cache_type = k_cache.scalar_type();
+  TORCH_CHECK(cache_type == v_cache.scalar_type(), "k_cache and v_cache differ in dtype");
+  TORCH_CHECK(q_in.scalar_type() == cache_type ||
+                  (q_in.scalar_type() == at::kFloat && (cache_type == at::kHalf || cache_type == at::kBFloat16)),
+              "q and the caches must have one dtype, or q float32 over a float16 or bfloat16 cache; got q ",
+              q_in.scalar_type(), " and caches ", cache_type);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && mask_in.scalar_type() == at::kBool,
               "block_tables must be int64 and mask bool");
   TORCH_CHECK_NOT_IMPLEMENTED(
@@ -237,22 +264,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   // Whole requests per item when there are enough of them to share out; otherwise (request, KV head).
   const int64_t heads_per_item = B >= 4 * at::get_num_threads() ? Hkv : 1;
   const Shape shape{L, block_size, Hkv, Hq / Hkv, D, heads_per_item};
-  const int64_t items_per_request = Hkv / heads_per_item;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    const scalar_t* q_data = q.const_data_ptr<scalar_t>();
-    const scalar_t* k_data = k_cache.const_data_ptr<scalar_t>();
-    const scalar_t* v_data = v_cache.const_data_ptr<scalar_t>();
-    scalar_t* out_data = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B * items_per_request, 1, [&](int64_t begin, int64_t end) {
-      Workspace workspace;
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t b = item / items_per_request, h = item % items_per_request * heads_per_item;
-        const int64_t head = (b * Hq + h * shape.group) * D;  // the group's first query head
-        attend_item(q_data + head, k_data, v_data, table_data + b * block_tables.size(1), mask_data + b * L, h,
-                    shape, static_cast<float>(scale), workspace, out_data + head);
-      }
+  const int64_t width = block_tables.size(1);
+  const float s = static_cast<float>(scale);
+  if (cache_type == at::kHalf && q.scalar_type() == at::kFloat) {
+    attend_all<float, at::Half>(q, k_cache, v_cache, table_data, width, mask_data, shape, s, out);
+  } else if (cache_type == at::kBFloat16 && q.scalar_type() == at::kFloat) {
+    attend_all<float, at::BFloat16>(q, k_cache, v_cache, table_data, width, mask_data, shape, s, out);
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+      attend_all<scalar_t, scalar_t>(q, k_cache, v_cache, table_data, width, mask_data, shape, s, out);
     });
-  });
+  }
   return out;
 }
 

@@ -1,9 +1,18 @@
 // The machine vector and the math the kernels share, written so that GCC vectorises the loops calling it.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#elif defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
 
 namespace heteroserve {
 
@@ -20,6 +29,36 @@ typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
 inline vec load(const float* p) {
   vec v;
   std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// kLanes bfloat16 values widened to float32: their bits are the top half of a float's.
+inline vec load(const c10::BFloat16* p) {
+  typedef uint16_t halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  typedef uint32_t words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  halves h;
+  std::memcpy(&h, p, sizeof(h));
+  const words w = __builtin_convertvector(h, words) << 16;
+  vec v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+// kLanes float16 values widened to float32 by the ISA's conversion instruction (GCC 12 converts _Float16
+// vectors one lane at a time).
+inline vec load(const c10::Half* p) {
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__AVX__) && defined(__F16C__)
+  const __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__ARM_NEON) && !defined(__AVX__)
+  const float32x4_t f = vcvt_f32_f16(vld1_f16(reinterpret_cast<const float16_t*>(p)));
+#else
+  float f[kLanes];
+  for (int i = 0; i < kLanes; ++i) f[i] = static_cast<float>(p[i]);
+#endif
+  vec v;
+  std::memcpy(&v, &f, sizeof(v));
   return v;
 }
 
