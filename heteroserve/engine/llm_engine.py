@@ -54,7 +54,7 @@ class LLMEngine:
         tokens = info.num_blocks * config.cache.block_size
         parallel = config.parallel
         logger.info(
-            "model %s on %s x%d (tp=%d, pp=%d, %s): KV cache of %d blocks x %d tokens = %d tokens, "
+            "model %s on %s x%d (tp=%d, pp=%d, %s): KV cache (%s) of %d blocks x %d tokens = %d tokens, "
             "%.1fx concurrency at max_model_len=%d",
             self.model_name,
             self.platform.name,
@@ -62,6 +62,7 @@ class LLMEngine:
             parallel.tensor_parallel_size,
             parallel.pipeline_parallel_size,
             str(self.dtype).removeprefix("torch."),
+            config.cache.kv_cache_dtype,
             info.num_blocks,
             config.cache.block_size,
             tokens,

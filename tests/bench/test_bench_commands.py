@@ -56,6 +56,7 @@ def test_throughput_with_hf_peer(tmp_path):
     for key in ("wall_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "peak_rss_mib"):
         assert ours[key] > 0, key
     assert ours["kv_blocks_needed"] == 3 * 2 and 0 < ours["peak_kv_blocks"] <= ours["kv_blocks_allocated"]
+    assert ours["kv_cache_dtype"] == "float32"
     one, two = result["peers"]["hf_one_at_a_time"], result["peers"]["hf_static_2"]
     assert one["measured_requests"] == 1 and one["scaled"] and not two["scaled"]
     for peer in (one, two):
@@ -69,9 +70,14 @@ def test_throughput_with_hf_peer(tmp_path):
 
 def test_throughput_scenario_d_and_latency(tmp_path):
     out = tmp_path / "d.json"
-    bench("throughput", "--scenario", "D", "--num-requests", "2", "--output-json", str(out), "--max-model-len", "512")
+    bench(
+        "throughput",
+        *("--scenario", "D", "--num-requests", "2", "--kv-cache-dtype", "float16"),
+        *("--output-json", str(out), "--max-model-len", "512"),
+    )
     result = json.loads(out.read_text())
     assert result["scenario"] == "D" and result["heteroserve"]["output_tokens"] == 16 + 69  # G = 16 + 53 i mod 241
+    assert result["heteroserve"]["kv_cache_dtype"] == "float16"
     lat = tmp_path / "a.json"
     bench(
         "latency",
@@ -89,6 +95,7 @@ def test_throughput_scenario_d_and_latency(tmp_path):
     )
     result = json.loads(lat.read_text())
     assert result["heteroserve"]["prefill_ms"] > 0 and result["heteroserve"]["decode_tokens_per_s"] > 0
+    assert result["heteroserve"]["kv_cache_dtype"] == "float32"
     assert result["peers"]["hf"]["decode_ratio"] > 0
 
 
