@@ -12,6 +12,12 @@ heteroserve bench throughput --quantization none --scenario B --peer hf --hf-bat
     --output-json bench/results/scenario_b.json --plot bench/results/scenario_b.png
 heteroserve bench throughput --quantization none --scenario D --peer hf --hf-batch 8 \
     --output-json bench/results/scenario_d.json --plot bench/results/scenario_d.png
+# Float32 weights and activations over a float16 KV cache (--kv-cache-dtype; llama.cpp's default cache type): B beside
+# transformers' one static batch of 64 in the same invocation, and D.
+heteroserve bench throughput --quantization none --kv-cache-dtype float16 --scenario B --peer hf --hf-batch 64 \
+    --output-json bench/results/scenario_b_kv16.json
+heteroserve bench throughput --quantization none --kv-cache-dtype float16 --scenario D \
+    --output-json bench/results/scenario_d_kv16.json
 # The concurrency-1 TTFT comparison with the offline engine: 40 pairs over 4 fresh server/engine processes.
 heteroserve bench serve --quantization none --concurrency 16 --num-requests 16 --input-len 128 --output-len 64 \
     --ttft-requests 40 --ttft-rounds 4 --output-json bench/results/scenario_c.json --plot bench/results/scenario_c.png
