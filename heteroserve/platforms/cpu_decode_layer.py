@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from heteroserve.platforms.cpu_int4 import PANEL_MIN_ROWS, CpuInt4Weight
+from heteroserve.platforms.cpu_int4 import DECODE_VNNI_MAX_ROWS, PANEL_MIN_ROWS, CpuInt4Weight
 from heteroserve.platforms.cpu_packed import CpuPackedWeight
 from heteroserve.platforms.operators import DecodeLayerWeights
 
@@ -31,6 +31,7 @@ class CpuFusedDecodeLayer:
         self.out_features = [p.shape[0] for p in projections]
         self.qkv_bias, self.eps, self.num_heads, self.scale = w.qkv_bias, w.eps, w.num_heads, w.scale
         self.cos, self.sin = w.cos, w.sin
+        self.vnni_max_rows = DECODE_VNNI_MAX_ROWS
 
     def __call__(self, x, positions, k_cache, v_cache, meta) -> torch.Tensor:
         return torch.ops.heteroserve.decode_layer(
@@ -51,6 +52,7 @@ class CpuFusedDecodeLayer:
             self.num_heads,
             self.scale,
             PANEL_MIN_ROWS,
+            self.vnni_max_rows,
         )
 
 

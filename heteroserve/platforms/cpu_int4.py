@@ -34,8 +34,12 @@ BF16_GEMM_MIN_ROWS = 512
 # 1, 2, 4, 7 rows in 0.79, 0.69, 0.74, 0.51x torch's kernel's time. It would beat the panel kernel too (8, 16, 64,
 # 256 rows: 0.27, 0.41, 0.82, 0.89x), but a linear layer cannot tell a decode batch from a short prompt, and
 # prompts need float32 activations: prefilled with 8-bit ones, the shipped default model answered the demo
-# question in French (as peers.md saw vLLM do in bfloat16).
+# question in French (as peers.md saw vLLM do in bfloat16). The fused decode layer can tell: DECODE_VNNI_MAX_ROWS.
 PANEL_MIN_ROWS = 8
+# A decode-only step (the fused decode layer, cpu_decode_layer.py) is a batch of decode rows, never a prompt: there
+# the VNNI kernel takes every step up to the default max_num_seqs, and a request's rows are rounded the same way
+# whether it decodes alone or in a batch.
+DECODE_VNNI_MAX_ROWS = 256
 KERNEL_GROUPS = (256, 128, 64, 32)
 
 

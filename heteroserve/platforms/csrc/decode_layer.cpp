@@ -51,20 +51,20 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
 }
 
 // A projection as the platform's linear op prepared it: [panels] of float32 (cpu_packed.py), or 4-bit
-// [packed, scales_and_zeros, scale_zero] (cpu_int4.py), which takes our VNNI kernel (else torch's int4 kernel)
-// below `int4_panel_min_rows` rows and our panel kernel from there, as CpuInt4Weight.matmul does (a decode step of
-// 512+ rows, above the default max_num_seqs, also takes the panel kernel where the Python path would round to
-// bfloat16).
+// [packed, scales_and_zeros, scale_zero] (cpu_int4.py). 4-bit rows take our VNNI kernel up to
+// `int4_vnni_max_rows` where the library has it (a decode row's activations rounded to 8 bits per 32 inputs,
+// whatever else is in the batch), else our panel kernel from `int4_panel_min_rows` rows and torch's int4 kernel
+// below.
 at::Tensor project(const at::Tensor& x, at::TensorList weight, int64_t N, const std::optional<at::Tensor>& bias,
-                   int64_t int4_panel_min_rows) {
+                   int64_t int4_panel_min_rows, int64_t int4_vnni_max_rows) {
   if (weight.size() == 1) return heteroserve::packed_linear(x, weight[0], N, bias);
   TORCH_CHECK(weight.size() == 3, "decode_layer: a projection is [panels] or [packed, scales_and_zeros, scale_zero]");
   at::Tensor out;
-  const int64_t K = weight[0].size(1), group = K / weight[2].size(1);
-  if (x.size(0) >= int4_panel_min_rows) {
-    out = heteroserve::int4_panel_linear(x, weight[0], weight[2]);
-  } else if (heteroserve::int4_vnni_available() && group % 32 == 0) {
+  const int64_t K = weight[0].size(1), group = K / weight[2].size(1), rows = x.size(0);
+  if (heteroserve::int4_vnni_available() && group % 32 == 0 && rows <= int4_vnni_max_rows) {
     out = heteroserve::int4_vnni_linear(x, weight[0], weight[2]);
+  } else if (rows >= int4_panel_min_rows) {
+    out = heteroserve::int4_panel_linear(x, weight[0], weight[2]);
   } else {
     out = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), weight[0].view({N, K / 2}), K / weight[1].size(0),
                                           weight[1])
@@ -80,7 +80,8 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorLis
                         const std::optional<at::Tensor>& qkv_bias, double eps, const at::Tensor& positions,
                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
-                        const at::Tensor& mask, int64_t num_heads, double scale, int64_t int4_panel_min_rows) {
+                        const at::Tensor& mask, int64_t num_heads, double scale, int64_t int4_panel_min_rows,
+                        int64_t int4_vnni_max_rows) {
   TORCH_CHECK((norms.size() == 2 || norms.size() == 4) && out_features.size() == 4,
               "decode_layer: 2 or 4 norms and 4 output sizes");
   TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -94,9 +95,8 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorLis
   const int64_t q_size = num_heads * D, kv_size = Hkv * D;
   TORCH_CHECK(out_features[0] == q_size + 2 * kv_size, "decode_layer: qkv has ", out_features[0], " outputs");
 
-  const int64_t panel_rows = int4_panel_min_rows;
   const at::Tensor qkv =
-      project(heteroserve::rms_norm(x, norms[0], eps), qkv_w, out_features[0], qkv_bias, panel_rows);
+      project(heteroserve::rms_norm(x, norms[0], eps), qkv_w, out_features[0], qkv_bias, int4_panel_min_rows, int4_vnni_max_rows);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, Hkv, D});
   if (norms.size() == 4) {
@@ -108,10 +108,10 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorLis
   write_kv(k_rotated, v, k_cache, v_cache, slots);
   const at::Tensor attention =
       heteroserve::paged_decode_attention(q_rotated, k_cache, v_cache, block_tables, mask, scale);
-  at::Tensor h = at::add(x, project(attention.view({T, q_size}), o_w, out_features[1], {}, panel_rows));
+  at::Tensor h = at::add(x, project(attention.view({T, q_size}), o_w, out_features[1], {}, int4_panel_min_rows, int4_vnni_max_rows));
   const at::Tensor gate_up =
-      project(heteroserve::rms_norm(h, norms[1], eps), gate_up_w, out_features[2], {}, panel_rows);
-  return h.add_(project(heteroserve::silu_and_mul(gate_up), down_w, out_features[3], {}, panel_rows));
+      project(heteroserve::rms_norm(h, norms[1], eps), gate_up_w, out_features[2], {}, int4_panel_min_rows, int4_vnni_max_rows);
+  return h.add_(project(heteroserve::silu_and_mul(gate_up), down_w, out_features[3], {}, int4_panel_min_rows, int4_vnni_max_rows));
 }
 
 }  // namespace
@@ -120,6 +120,6 @@ TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
   m.def("decode_layer(Tensor x, Tensor[] norms, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, Tensor[] down, "
         "int[] out_features, Tensor? qkv_bias, float eps, Tensor positions, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor mask, int num_heads, "
-        "float scale, int int4_panel_min_rows) -> Tensor");
+        "float scale, int int4_panel_min_rows, int int4_vnni_max_rows) -> Tensor");
   m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
 }
