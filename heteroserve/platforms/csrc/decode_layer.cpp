@@ -95,8 +95,10 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorLis
   const int64_t q_size = num_heads * D, kv_size = Hkv * D;
   TORCH_CHECK(out_features[0] == q_size + 2 * kv_size, "decode_layer: qkv has ", out_features[0], " outputs");
 
-  const at::Tensor qkv =
-      project(heteroserve::rms_norm(x, norms[0], eps), qkv_w, out_features[0], qkv_bias, int4_panel_min_rows, int4_vnni_max_rows);
+  auto linear = [&](const at::Tensor& in, at::TensorList w, int64_t N, const std::optional<at::Tensor>& bias) {
+    return project(in, w, N, bias, int4_panel_min_rows, int4_vnni_max_rows);
+  };
+  const at::Tensor qkv = linear(heteroserve::rms_norm(x, norms[0], eps), qkv_w, out_features[0], qkv_bias);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, Hkv, D});
   if (norms.size() == 4) {
@@ -108,10 +110,9 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorLis
   write_kv(k_rotated, v, k_cache, v_cache, slots);
   const at::Tensor attention =
       heteroserve::paged_decode_attention(q_rotated, k_cache, v_cache, block_tables, mask, scale);
-  at::Tensor h = at::add(x, project(attention.view({T, q_size}), o_w, out_features[1], {}, int4_panel_min_rows, int4_vnni_max_rows));
-  const at::Tensor gate_up =
-      project(heteroserve::rms_norm(h, norms[1], eps), gate_up_w, out_features[2], {}, int4_panel_min_rows, int4_vnni_max_rows);
-  return h.add_(project(heteroserve::silu_and_mul(gate_up), down_w, out_features[3], {}, int4_panel_min_rows, int4_vnni_max_rows));
+  at::Tensor h = at::add(x, linear(attention.view({T, q_size}), o_w, out_features[1], {}));
+  const at::Tensor gate_up = linear(heteroserve::rms_norm(h, norms[1], eps), gate_up_w, out_features[2], {});
+  return h.add_(linear(heteroserve::silu_and_mul(gate_up), down_w, out_features[3], {}));
 }
 
 }  // namespace
