@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #elif defined(__ARM_NEON)
 #include <arm_neon.h>
@@ -34,11 +34,18 @@ inline vec load(const float* p) {
 
 // kLanes bfloat16 values widened to float32: their bits are the top half of a float's.
 inline vec load(const c10::BFloat16* p) {
+#if defined(__AVX512F__)  // GCC 12's code for the generic vectors below made decode attention 1.3x slower
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#elif defined(__AVX2__)
+  const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#else
   typedef uint16_t halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
   typedef uint32_t words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
   halves h;
   std::memcpy(&h, p, sizeof(h));
   const words w = __builtin_convertvector(h, words) << 16;
+#endif
   vec v;
   std::memcpy(&v, &w, sizeof(v));
   return v;
