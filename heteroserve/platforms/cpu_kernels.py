@@ -6,7 +6,8 @@
 - `prefill_attention` (csrc/prefill_attention.cpp): float32 prompt attention on the GEMM's register tile; torch's
   SDPA ran 128-token prompts at ~70 GFLOP/s here.
 - `rms_norm`, `silu_and_mul`, `rotary` (csrc/fused_elementwise.cpp): one pass over memory each instead of the
-  reference's chain of torch operators; float32 only.
+  reference's chain of torch operators; float32 only. `argmax_rows` (csrc/argmax_rows.cpp): greedy tokens from
+  the logits: 0.8 against torch's `max`'s 2.1 ms over scenario B's 64 x 49152 logits (2-core Xeon).
 - `torch.ops.heteroserve.pack_linear_weight` / `packed_linear` (csrc/packed_linear.cpp): the float32 GEMM for
   every batch size, called by cpu_packed.CpuPackedWeight through the platform's linear op; `int4_panel_linear`
   (csrc/int4_panel_linear.cpp) runs the same tile on 4-bit weights dequantised block by block (cpu_int4), and
@@ -89,6 +90,13 @@ class FusedSiluAndMul:
         return torch.ops.heteroserve.silu_and_mul(x)
 
 
+class ArgmaxRows:
+    kernel_name = "cpp argmax_rows"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.heteroserve.argmax_rows(x)
+
+
 class FusedRotary:
     kernel_name = "cpp fused rotary"
 
@@ -107,6 +115,7 @@ def kernels_for(dtype: torch.dtype) -> dict:
             silu_and_mul=FusedSiluAndMul(),
             rotary=FusedRotary(),
             prefill_attention=PrefillAttention(),
+            argmax_rows=ArgmaxRows(),
         )
     return kernels
 

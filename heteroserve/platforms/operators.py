@@ -92,6 +92,7 @@ OPERATORS: dict[str, OperatorSpec] = {
     "write_kv": OperatorSpec(reference_ops.write_kv, mutates=(2, 3)),
     "prefill_attention": OperatorSpec(reference_ops.prefill_attention),
     "decode_attention": OperatorSpec(reference_ops.decode_attention),
+    "argmax_rows": OperatorSpec(reference_ops.argmax_rows),
 }
 
 
@@ -165,6 +166,9 @@ class OperatorTable:
         scale: float,
     ) -> torch.Tensor:
         return self.call("decode_attention", q, k_cache, v_cache, block_tables, mask, scale)
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self.call("argmax_rows", x)
 
     def call(self, name: str, *args):
         kernel = self.kernels.get(name)

@@ -69,7 +69,7 @@ class ModelRunner:
             self.arch.head_dim,
         )
         self.kv_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.model.ops.argmax_rows)
         self.images = ImageInputs(loaded.vision, self.device) if loaded.vision is not None else None
         self._seeds = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}

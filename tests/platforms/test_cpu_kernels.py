@@ -133,6 +133,28 @@ def test_float16_queries_over_a_float32_cache_are_an_error(kernel):
         kernel(q.half(), k_cache, v_cache, tables, mask, scale)
 
 
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (1, 49152), (3, 17), (64, 49152), (5, 151936)])
+def test_argmax_rows_is_torch_max_indices(fused, rows, vocab):
+    """Greedy tokens: the first maximum of each row, ties and all; a row with a NaN gives its first NaN (as torch's
+    max), an all -inf row its first entry."""
+    gen = torch.Generator().manual_seed(rows * vocab)
+    x = torch.randn(rows, vocab, generator=gen)
+    x[:, vocab // 2 :] = x[:, vocab // 2 :].round(decimals=1)  # ties among the candidates
+    x[0, vocab - 1] = x[0].max() + 1  # the maximum in the tail after the last whole vector
+    if rows > 1:
+        x[1] = x[1].max()  # every entry equal: index 0
+    if rows > 2:
+        x[2, [vocab // 3, vocab - 2]] = float("nan")
+    if rows > 3:
+        x[3] = float("-inf")
+    if rows > 4:
+        top = x[4].max() + 1
+        x[4, [7, 3, vocab - 1]] = top  # ties for the maximum: the first
+    got = fused["argmax_rows"](x)
+    assert got.dtype == torch.long
+    assert got.tolist() == reference_ops.argmax_rows(x).tolist() == x.max(dim=-1).indices.tolist()
+
+
 def test_bad_block_id_is_an_error_not_a_crash(kernel):
     q, k_cache, v_cache, tables, mask, scale = paged_batch([20], 9, 3, 64)
     tables = tables.clone()

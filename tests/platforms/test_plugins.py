@@ -69,6 +69,7 @@ def test_plugin_platforms_generate_like_the_cpu(plugin_site, tiny_qwen3):
         "write_kv",
         "prefill_attention",
         "decode_attention",
+        "argmax_rows",
     }
     # 3 layers x (2 layer norms + q and k norms) + the final norm, once per step.
     assert counting["kernel_calls"]["rms_norm"] % 13 == 0

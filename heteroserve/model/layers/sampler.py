@@ -6,6 +6,7 @@ else shares its batch. Logprobs are those of the raw model output (before penalt
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,13 +51,15 @@ def logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list
 
 
 class Sampler:
+    def __init__(self, argmax_rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.argmax_rows = argmax_rows  # the platform's operator: greedy rows are a reduction over the vocabulary
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         logits = self._apply_penalties(logits, rows)
-        # max's indices are argmax's (the first maximum), and on the CPU cheaper: 2.3 against 3.4 ms at 64 x 49152
-        tokens = logits.max(dim=-1).indices
+        tokens = self.argmax_rows(logits)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
             index = torch.tensor(random_rows, device=logits.device)

@@ -1,0 +1,86 @@
+// The index of each row's largest value, as torch's `max(dim=-1).indices` gives it (the first of equal maxima;
+// the first NaN where a row has one), for greedy decoding's one pass over the logits a step. torch's reduction
+// took ~2.1 ms of a ~106 ms step over scenario B's 64 x 49152 float32 logits on a 2-core Xeon, this ~0.8 ms:
+// each row is one vector pass for its maximum and a second, mostly from L2, for where it first occurs.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "vector_math.h"
+
+namespace {
+
+using heteroserve::kLanes, heteroserve::load, heteroserve::vec;
+typedef int32_t mask __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+int64_t first_index_of(const float* row, int64_t n, float value) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const mask hit = load(row + i) == value;
+    for (int lane = 0; lane < kLanes; ++lane) {
+      if (hit[lane]) return i + lane;
+    }
+  }
+  for (; i < n; ++i) {
+    if (row[i] == value) return i;
+  }
+  return 0;  // not reached: `value` came from the row
+}
+
+int64_t argmax_row(const float* row, int64_t n) {
+  vec best = vec{} - std::numeric_limits<float>::infinity();
+  mask nan = mask{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vec v = load(row + i);
+    best = v > best ? v : best;
+    nan |= v != v;
+  }
+  float top = -std::numeric_limits<float>::infinity();
+  bool has_nan = false;
+  for (int lane = 0; lane < kLanes; ++lane) {
+    top = best[lane] > top ? best[lane] : top;
+    has_nan |= nan[lane] != 0;
+  }
+  for (; i < n; ++i) {
+    top = row[i] > top ? row[i] : top;
+    has_nan |= row[i] != row[i];
+  }
+  if (has_nan) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (row[j] != row[j]) return j;
+    }
+  }
+  return first_index_of(row, n, top);
+}
+
+}  // namespace
+
+namespace heteroserve {
+
+at::Tensor argmax_rows(const at::Tensor& x_in) {
+  TORCH_CHECK_NOT_IMPLEMENTED(x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
+                              "argmax_rows: float32 [rows, n] only");
+  TORCH_CHECK(x_in.size(1) > 0, "argmax_rows: rows must not be empty");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* data = x.const_data_ptr<float>();
+  int64_t* index = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) index[r] = argmax_row(data + r * n, n);
+  });
+  return out;
+}
+
+}  // namespace heteroserve
+
+TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
+  m.def("argmax_rows(Tensor x) -> Tensor");
+  m.impl("argmax_rows", c10::DispatchKey::CPU, &heteroserve::argmax_rows);
+}
