@@ -188,6 +188,11 @@ def load_library() -> bool:
 
 
 @functools.cache
+def int8_panel_available() -> bool:
+    """Whether the library has the 8-bit panel GEMM (int8_grouped_linear.cpp; AVX-512 builds)."""
+    return load_library() and bool(torch.ops.heteroserve.int8_panel_available())
+
+
 def int4_vnni_available() -> bool:
     """Whether the loaded library has the VNNI 4-bit decode kernel (built for a CPU with AVX512-VNNI and VBMI)."""
     return load_library() and bool(torch.ops.heteroserve.int4_vnni_available())

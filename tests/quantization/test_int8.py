@@ -7,6 +7,7 @@ import torch
 
 from heteroserve import SamplingParams
 from heteroserve.model.loader.weights import _cat
+from heteroserve.platforms import cpu_kernels
 from heteroserve.platforms.cpu import _int8_kernel_works
 from heteroserve.platforms.cpu_int4 import CpuInt4Weight
 from heteroserve.platforms.cpu_int8 import KERNEL_MAX_ROWS, CpuGroupedInt8Weight, CpuInt8Weight
@@ -58,6 +59,25 @@ def test_grouped_int8_against_dequantised_matmul(asymmetric, rows, group_size):
     bias = torch.randn(n)
     reference = x @ weight.dequantize().T + bias
     assert relative_error(CpuGroupedInt8Weight(weight).matmul(x, bias), reference) <= 1e-5
+
+
+@pytest.mark.parametrize("asymmetric", [False, True])
+@pytest.mark.parametrize("rows", [17, 64, 700])  # 700: more than one slice of x per pass over the panels
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_int8_panel_kernel_against_dequantised_matmul(asymmetric, rows, group_size):
+    """Beyond KERNEL_MAX_ROWS, AVX-512 builds dequantise 32 output rows at a time (a 16 x 16 transpose in
+    registers) into a panel of the float32 GEMM."""
+    if not cpu_kernels.int8_panel_available():
+        pytest.skip("the 8-bit panel kernel is built for AVX-512 only")
+    n = 32 * 41
+    base = quantize_int8(torch.randn(n, 192), group_size=group_size)
+    zero = torch.randn(n, 192 // group_size) if asymmetric else None
+    weight = Int8Weight(base.q, base.scale, base.group_size, zero)
+    x = torch.randn(rows, 192)
+    reference = x @ weight.dequantize().T
+    out = torch.ops.heteroserve.int8_panel_linear(x, weight.q, weight.scale, weight.zero)
+    assert relative_error(out, reference) <= 1e-5
+    assert relative_error(CpuGroupedInt8Weight(weight).matmul(x, None), reference) <= 1e-5
 
 
 @pytest.mark.parametrize("kernels, tolerance", [("reference", 1e-4), ("auto", 5e-2)])

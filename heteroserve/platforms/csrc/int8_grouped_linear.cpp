@@ -3,7 +3,8 @@
 // is bound by reading the weight: 1 byte a weight instead of float32's 4 (GGUF Q8_0 and the 5/6-bit types kept
 // at 8 bits, grouped GPTQ 8-bit, a tied Q8_0 LM head). Output rows are split over torch's OpenMP threads; each
 // weight row is dequantised 16 weights at a time in registers and used for up to 4 input rows while it is there.
-// Partial sums stay per lane across the row and are added up once per output, in float32.
+// Partial sums stay per lane across the row and are added up once per output, in float32. Beyond 16 rows
+// (AVX-512 builds) int8_panel_linear feeds the float32 GEMM's tile instead, a panel of 32 rows at a time.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -14,6 +15,9 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
+
+#include "packed_tile.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -121,9 +125,110 @@ at::Tensor int8_grouped_linear(const at::Tensor& x_in, const at::Tensor& q_in, c
   return out;
 }
 
-// out[n, k] = q[n, k] * scale[n, k / G] (+ zero[n, k / G]) in float32, for the rows of q given: larger batches
-// multiply such slices in cache (cpu_int8.py). torch's mul with type promotion took ~10 ms for a 49152 x 576
-// table (int8 -> float copy, then the multiply); this is one pass.
+#if defined(__AVX512F__)
+// rows[t]: 16 int8 of row t; cols[c] becomes column c's 16 int8, rows in order (four rounds of interleaving).
+inline void transpose_16x16(const __m128i rows[16], __m128i cols[16]) {
+  __m128i a[16], b[16], c[16];
+  for (int p = 0; p < 8; ++p) {  // a[8h + p]: columns 8h..8h+7, 16-bit units of rows 2p, 2p+1
+    a[p] = _mm_unpacklo_epi8(rows[2 * p], rows[2 * p + 1]);
+    a[8 + p] = _mm_unpackhi_epi8(rows[2 * p], rows[2 * p + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // b[8h + 4s + q]: columns 8h+4s..+3, 32-bit units of rows 4q..4q+3
+    for (int q = 0; q < 4; ++q) {
+      b[8 * h + q] = _mm_unpacklo_epi16(a[8 * h + 2 * q], a[8 * h + 2 * q + 1]);
+      b[8 * h + 4 + q] = _mm_unpackhi_epi16(a[8 * h + 2 * q], a[8 * h + 2 * q + 1]);
+    }
+  }
+  for (int base = 0; base < 16; base += 4) {  // c[base + 2t + o]: columns of b's group base, 64-bit units of octet o
+    for (int o = 0; o < 2; ++o) {
+      c[base + o] = _mm_unpacklo_epi32(b[base + 2 * o], b[base + 2 * o + 1]);
+      c[base + 2 + o] = _mm_unpackhi_epi32(b[base + 2 * o], b[base + 2 * o + 1]);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {  // c[2i], c[2i + 1]: rows 0-7 and 8-15 of columns 2i' and 2i'+1 (same order)
+    cols[2 * i] = _mm_unpacklo_epi64(c[2 * i], c[2 * i + 1]);
+    cols[2 * i + 1] = _mm_unpackhi_epi64(c[2 * i], c[2 * i + 1]);
+  }
+}
+
+// Output rows [n0, n0 + kPanel) into one panel of the float32 GEMM (packed_tile.h): [K, kPanel], column j holding
+// row n0 + j; 16 rows x 16 inputs at a time are transposed in registers, then widened and scaled 16 rows at once.
+void dequantise_panel(const int8_t* q, const float* scale, const float* zero, int64_t K, int64_t groups,
+                      float* panel) {
+  constexpr int64_t kPanelWidth = heteroserve::kPanel;
+  const int64_t G = K / groups;
+  for (int64_t j0 = 0; j0 < kPanelWidth; j0 += 16) {
+    for (int64_t g = 0; g < groups; ++g) {
+      alignas(64) float s[16], z[16];
+      for (int t = 0; t < 16; ++t) {
+        s[t] = scale[(j0 + t) * groups + g];
+        z[t] = zero ? zero[(j0 + t) * groups + g] : 0.f;
+      }
+      const __m512 sv = _mm512_load_ps(s), zv = _mm512_load_ps(z);
+      for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
+        __m128i rows[16], cols[16];
+        for (int t = 0; t < 16; ++t) {
+          rows[t] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (j0 + t) * K + k));
+        }
+        transpose_16x16(rows, cols);
+        for (int c = 0; c < 16; ++c) {
+          const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(cols[c])), sv, zv);
+          _mm512_storeu_ps(panel + (k + c) * kPanelWidth + j0, w);
+        }
+      }
+    }
+  }
+}
+
+// y = x W^T beyond kMaxRows rows: each block of kPanel output rows is dequantised once per slice of x into a
+// thread-local panel that stays in L2 and multiplied there on the float32 GEMM's tile, so the weight crosses
+// memory at 8 bits and the multiplies run at the GEMM's pace. A last block of fewer rows takes the slices below.
+at::Tensor int8_panel_linear(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scale_in,
+                             const std::optional<at::Tensor>& zero_in) {
+  TORCH_CHECK_NOT_IMPLEMENTED(x_in.scalar_type() == at::kFloat, "int8_panel_linear: float32 activations only");
+  TORCH_CHECK(q_in.scalar_type() == at::kChar && scale_in.scalar_type() == at::kFloat,
+              "int8_panel_linear: q must be int8 and scale float32");
+  TORCH_CHECK(x_in.dim() == 2 && q_in.dim() == 2 && x_in.size(1) == q_in.size(1), "x [M, K] and q [N, K] differ");
+  const at::Tensor x = x_in.contiguous(), q = q_in.contiguous(), scale = scale_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), groups = scale.size(1);
+  constexpr int64_t kPanelWidth = heteroserve::kPanel;
+  TORCH_CHECK(scale.size(0) == N && groups > 0 && K % groups == 0 && (K / groups) % kLanes == 0,
+              "int8_panel_linear: scale must be [N, K / group] with groups of a multiple of ", kLanes);
+  TORCH_CHECK(N % kPanelWidth == 0, "int8_panel_linear: N must be a multiple of ", kPanelWidth);
+  const at::Tensor zero = checked_zero(zero_in, scale);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float* xd = x.const_data_ptr<float>();
+  const int8_t* qd = q.const_data_ptr<int8_t>();
+  const float* sd = scale.const_data_ptr<float>();
+  const float* zd = zero.defined() ? zero.const_data_ptr<float>() : nullptr;
+  float* od = out.data_ptr<float>();
+  const int64_t slice = heteroserve::row_block(K);
+  at::parallel_for(0, N / kPanelWidth, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(K * kPanelWidth);
+    for (int64_t m0 = 0; m0 < M; m0 += slice) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t n0 = b * kPanelWidth;
+        dequantise_panel(qd + n0 * K, sd + n0 * groups, zd ? zd + n0 * groups : nullptr, K, groups, buffer.data());
+        heteroserve::panel_rows(xd, m0, std::min(M, m0 + slice), K, buffer.data(), nullptr, od + n0, N,
+                                static_cast<int>(kPanelWidth));
+      }
+    }
+  });
+  return out;
+}
+#endif
+
+bool int8_panel_available() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// out[n, k] = q[n, k] * scale[n, k / G] (+ zero[n, k / G]) in float32, for the rows of q given: without the panel
+// kernel (int8_panel_available), larger batches multiply such slices in cache (cpu_int8.py). torch's mul with type
+// promotion took ~10 ms for a 49152 x 576 table (int8 -> float copy, then the multiply); this is one pass.
 void int8_grouped_dequantize(const at::Tensor& q_in, const at::Tensor& scale_in,
                              const std::optional<at::Tensor>& zero_in, at::Tensor& out) {
   TORCH_CHECK(q_in.scalar_type() == at::kChar && scale_in.scalar_type() == at::kFloat && q_in.dim() == 2,
@@ -158,6 +263,12 @@ void int8_grouped_dequantize(const at::Tensor& q_in, const at::Tensor& scale_in,
 TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
   m.def("int8_grouped_linear(Tensor x, Tensor q, Tensor scale, Tensor? zero) -> Tensor");
   m.def("int8_grouped_dequantize(Tensor q, Tensor scale, Tensor? zero, Tensor(a!) out) -> ()");
+  m.def("int8_panel_available() -> bool");
+  m.impl("int8_panel_available", &int8_panel_available);
+#if defined(__AVX512F__)
+  m.def("int8_panel_linear(Tensor x, Tensor q, Tensor scale, Tensor? zero) -> Tensor");
+  m.impl("int8_panel_linear", c10::DispatchKey::CPU, &int8_panel_linear);
+#endif
   m.impl("int8_grouped_linear", c10::DispatchKey::CPU, &int8_grouped_linear);
   m.impl("int8_grouped_dequantize", c10::DispatchKey::CPU, &int8_grouped_dequantize);
 }
