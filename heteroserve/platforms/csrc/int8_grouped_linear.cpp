@@ -71,6 +71,35 @@ at::Tensor checked_zero(const std::optional<at::Tensor>& zero_in, const at::Tens
   return zero;
 }
 
+// The operands of y = x W^T, checked and made contiguous, and their data (zd: nullptr without zeros).
+struct Operands {
+  at::Tensor x, q, scale, zero;
+  int64_t M, K, N, groups;
+  const float* xd;
+  const int8_t* qd;
+  const float* sd;
+  const float* zd;
+};
+
+Operands checked_operands(const char* name, const at::Tensor& x_in, const at::Tensor& q_in,
+                          const at::Tensor& scale_in, const std::optional<at::Tensor>& zero_in) {
+  TORCH_CHECK_NOT_IMPLEMENTED(x_in.scalar_type() == at::kFloat, name, ": float32 activations only");
+  TORCH_CHECK(q_in.scalar_type() == at::kChar && scale_in.scalar_type() == at::kFloat, name,
+              ": q must be int8 and scale float32");
+  TORCH_CHECK(x_in.dim() == 2 && q_in.dim() == 2 && x_in.size(1) == q_in.size(1), name,
+              ": x [M, K] and q [N, K] differ");
+  const at::Tensor scale = scale_in.contiguous();
+  const int64_t K = x_in.size(1), N = q_in.size(0), groups = scale.size(1);
+  TORCH_CHECK(scale.size(0) == N && groups > 0 && K % groups == 0 && (K / groups) % kLanes == 0, name,
+              ": scale must be [N, K / group] with groups of a multiple of ", kLanes);
+  Operands o{x_in.contiguous(), q_in.contiguous(), scale, checked_zero(zero_in, scale), x_in.size(0), K, N, groups};
+  o.xd = o.x.const_data_ptr<float>();
+  o.qd = o.q.const_data_ptr<int8_t>();
+  o.sd = o.scale.const_data_ptr<float>();
+  o.zd = o.zero.defined() ? o.zero.const_data_ptr<float>() : nullptr;
+  return o;
+}
+
 // Output n for input rows [m0, m0 + ROWS): the weight row is read once, 16 weights at a time.
 template <int ROWS>
 void dot_rows(const float* x, int64_t K, const int8_t* q, const float* scale, const float* zero, int64_t G, float* out,
@@ -88,30 +117,18 @@ void dot_rows(const float* x, int64_t K, const int8_t* q, const float* scale, co
 
 at::Tensor int8_grouped_linear(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scale_in,
                                const std::optional<at::Tensor>& zero_in) {
-  TORCH_CHECK_NOT_IMPLEMENTED(x_in.scalar_type() == at::kFloat, "int8_grouped_linear: float32 activations only");
-  TORCH_CHECK(q_in.scalar_type() == at::kChar && scale_in.scalar_type() == at::kFloat,
-              "int8_grouped_linear: q must be int8 and scale float32");
-  TORCH_CHECK(x_in.dim() == 2 && q_in.dim() == 2 && x_in.size(1) == q_in.size(1), "x [M, K] and q [N, K] differ");
-  const at::Tensor x = x_in.contiguous(), q = q_in.contiguous(), scale = scale_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), groups = scale.size(1);
+  const Operands o = checked_operands("int8_grouped_linear", x_in, q_in, scale_in, zero_in);
+  const int64_t M = o.M, K = o.K, N = o.N, groups = o.groups, G = K / groups;
   TORCH_CHECK(M <= kMaxRows, "int8_grouped_linear takes at most ", kMaxRows, " rows, got ", M);
-  TORCH_CHECK(scale.size(0) == N && groups > 0 && K % groups == 0, "scale must be [N, K / group]");
-  const int64_t G = K / groups;
-  TORCH_CHECK(G % kLanes == 0, "group size ", G, " is not a multiple of ", kLanes);
-  const at::Tensor zero = checked_zero(zero_in, scale);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const float* xd = x.const_data_ptr<float>();
-  const int8_t* qd = q.const_data_ptr<int8_t>();
-  const float* sd = scale.const_data_ptr<float>();
-  const float* zd = zero.defined() ? zero.const_data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({M, N}, o.x.options());
   float* od = out.data_ptr<float>();
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      const int8_t* qn = qd + n * K;
-      const float* sn = sd + n * groups;
-      const float* zn = zd ? zd + n * groups : nullptr;
+      const int8_t* qn = o.qd + n * K;
+      const float* sn = o.sd + n * groups;
+      const float* zn = o.zd ? o.zd + n * groups : nullptr;
       for (int64_t m = 0; m < M; m += kTile) {
-        const float* xm = xd + m * K;
+        const float* xm = o.xd + m * K;
         float* om = od + m * N + n;
         switch (std::min(kTile, M - m)) {
           case 1: dot_rows<1>(xm, K, qn, sn, zn, G, om, N); break;
@@ -182,25 +199,15 @@ void dequantise_panel(const int8_t* q, const float* scale, const float* zero, in
 
 // y = x W^T beyond kMaxRows rows: each block of kPanel output rows is dequantised once per slice of x into a
 // thread-local panel that stays in L2 and multiplied there on the float32 GEMM's tile, so the weight crosses
-// memory at 8 bits and the multiplies run at the GEMM's pace. A last block of fewer rows takes the slices below.
+// memory at 8 bits and the multiplies run at the GEMM's pace. N must be a whole number of blocks (cpu_int8.py
+// sends other shapes to the slices below).
 at::Tensor int8_panel_linear(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scale_in,
                              const std::optional<at::Tensor>& zero_in) {
-  TORCH_CHECK_NOT_IMPLEMENTED(x_in.scalar_type() == at::kFloat, "int8_panel_linear: float32 activations only");
-  TORCH_CHECK(q_in.scalar_type() == at::kChar && scale_in.scalar_type() == at::kFloat,
-              "int8_panel_linear: q must be int8 and scale float32");
-  TORCH_CHECK(x_in.dim() == 2 && q_in.dim() == 2 && x_in.size(1) == q_in.size(1), "x [M, K] and q [N, K] differ");
-  const at::Tensor x = x_in.contiguous(), q = q_in.contiguous(), scale = scale_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), groups = scale.size(1);
+  const Operands o = checked_operands("int8_panel_linear", x_in, q_in, scale_in, zero_in);
+  const int64_t M = o.M, K = o.K, N = o.N, groups = o.groups;
   constexpr int64_t kPanelWidth = heteroserve::kPanel;
-  TORCH_CHECK(scale.size(0) == N && groups > 0 && K % groups == 0 && (K / groups) % kLanes == 0,
-              "int8_panel_linear: scale must be [N, K / group] with groups of a multiple of ", kLanes);
   TORCH_CHECK(N % kPanelWidth == 0, "int8_panel_linear: N must be a multiple of ", kPanelWidth);
-  const at::Tensor zero = checked_zero(zero_in, scale);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const float* xd = x.const_data_ptr<float>();
-  const int8_t* qd = q.const_data_ptr<int8_t>();
-  const float* sd = scale.const_data_ptr<float>();
-  const float* zd = zero.defined() ? zero.const_data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({M, N}, o.x.options());
   float* od = out.data_ptr<float>();
   const int64_t slice = heteroserve::row_block(K);
   at::parallel_for(0, N / kPanelWidth, 1, [&](int64_t begin, int64_t end) {
@@ -208,8 +215,9 @@ at::Tensor int8_panel_linear(const at::Tensor& x_in, const at::Tensor& q_in, con
     for (int64_t m0 = 0; m0 < M; m0 += slice) {
       for (int64_t b = begin; b < end; ++b) {
         const int64_t n0 = b * kPanelWidth;
-        dequantise_panel(qd + n0 * K, sd + n0 * groups, zd ? zd + n0 * groups : nullptr, K, groups, buffer.data());
-        heteroserve::panel_rows(xd, m0, std::min(M, m0 + slice), K, buffer.data(), nullptr, od + n0, N,
+        const float* zero = o.zd ? o.zd + n0 * groups : nullptr;
+        dequantise_panel(o.qd + n0 * K, o.sd + n0 * groups, zero, K, groups, buffer.data());
+        heteroserve::panel_rows(o.xd, m0, std::min(M, m0 + slice), K, buffer.data(), nullptr, od + n0, N,
                                 static_cast<int>(kPanelWidth));
       }
     }
