@@ -193,6 +193,7 @@ def int8_panel_available() -> bool:
     return load_library() and bool(torch.ops.heteroserve.int8_panel_available())
 
 
+@functools.cache
 def int4_vnni_available() -> bool:
     """Whether the loaded library has the VNNI 4-bit decode kernel (built for a CPU with AVX512-VNNI and VBMI)."""
     return load_library() and bool(torch.ops.heteroserve.int4_vnni_available())
