@@ -130,7 +130,7 @@ def _throughput(args) -> None:
             "steps": run.num_steps,
             "preemptions": run.num_preemptions,
             "dtype": str(engine.dtype).removeprefix("torch."),
-            "kv_cache_dtype": _kv_cache_dtype(engine),
+            "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
             "quantization": engine.config.model.quantization or "as checkpoint",
             "weight_bytes": engine.weight_bytes,
         },
@@ -168,18 +168,13 @@ def _throughput(args) -> None:
     write_report(args, result)
 
 
-def _kv_cache_dtype(engine) -> str:
-    name = engine.config.cache.kv_cache_dtype
-    return str(engine.dtype).removeprefix("torch.") if name == "auto" else name
-
-
 def _latency(args) -> None:
     engine = build_engine(args)
     prompt = engine_requests(engine, args, "A", 1)[0][0]
     ours = single_stream(engine, prompt, args.output_len, args.repeats)
     samples = ours.pop("inter_token_samples_ms")
     ours["quantization"] = engine.config.model.quantization or "as checkpoint"
-    ours["kv_cache_dtype"] = _kv_cache_dtype(engine)
+    ours["kv_cache_dtype"] = str(engine.kv_cache_dtype).removeprefix("torch.")
     ours["weight_bytes"] = engine.weight_bytes
     result = {
         "command": "latency",

@@ -32,6 +32,7 @@ class LLMEngine:
         self.tokenizer = info.tokenizer
         self.hf_config = info.hf_config
         self.dtype = info.dtype
+        self.kv_cache_dtype = info.kv_cache_dtype
         self.max_model_len = info.max_model_len
         self.eos_token_id = info.eos_token_id
         self.extra_eos_token_ids = info.extra_eos_token_ids
@@ -62,7 +63,7 @@ class LLMEngine:
             parallel.tensor_parallel_size,
             parallel.pipeline_parallel_size,
             str(self.dtype).removeprefix("torch."),
-            config.cache.kv_cache_dtype,
+            str(self.kv_cache_dtype).removeprefix("torch."),
             info.num_blocks,
             config.cache.block_size,
             tokens,

@@ -29,6 +29,7 @@ class ModelInfo:
     tokenizer: object
     hf_config: object
     dtype: torch.dtype
+    kv_cache_dtype: torch.dtype  # the activations' or a 16-bit one (kv_cache_dtype="float16" / "bfloat16")
     max_model_len: int
     eos_token_id: int | None
     extra_eos_token_ids: list[int]
@@ -78,6 +79,7 @@ class Worker:
             loaded.tokenizer,
             loaded.hf_config,
             loaded.dtype,
+            self.runner.cache_dtype,
             loaded.max_model_len,
             loaded.eos_token_id,
             loaded.extra_eos_token_ids,
