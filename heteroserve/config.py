@@ -84,6 +84,40 @@ class SchedulerConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding by n-gram lookup (vLLM's `{"method": "ngram", ...}`): the tokens that followed the
+    latest earlier occurrence of a greedy request's last n tokens are proposed, and one forward pass checks them
+    all. It pays where decoding streams the weights for a few tokens (one request, a few on a CPU or a GPU) and
+    text repeats its context (code edits, retrieval answers, quoting); outputs stay those of plain greedy decoding."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(
+                f"speculative method must be 'ngram' (the only one without a draft model), got {self.method!r}"
+            )
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
+                f"{self.prompt_lookup_max}"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict) -> SpeculativeConfig:
+        """From vLLM's speculative_config dictionary; an unknown key is an error rather than ignored."""
+        unknown = set(values) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys: {', '.join(sorted(unknown))}")
+        return cls(**values)
+
+
+@dataclass
 class DeviceConfig:
     device: str = "auto"
     kernels: str = "auto"  # "reference": plain torch operators everywhere, to check faster kernels against
@@ -171,3 +205,4 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     multimodal: MultimodalConfig = field(default_factory=MultimodalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None

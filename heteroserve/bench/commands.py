@@ -4,6 +4,7 @@ same prompts (the serve command is in serve_command.py)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from heteroserve.bench.engine_runs import run_batch, single_stream
@@ -103,6 +104,19 @@ def _peers(engine: LLMEngine, args, result: dict):
         yield name, LlamaCppPeer(source, engine.max_model_len)
 
 
+def _speculative_fields(engine: LLMEngine) -> dict:
+    """The speculative decoding configuration (None when off) and how many drafts the model confirmed."""
+    config = engine.config.speculative
+    stats = engine.stats()
+    drafts, accepted = stats.spec_draft_tokens, stats.spec_accepted_tokens
+    return {
+        "speculative": dataclasses.asdict(config) if config is not None else None,
+        "spec_draft_tokens": drafts,
+        "spec_accepted_tokens": accepted,
+        "spec_acceptance_rate": accepted / drafts if drafts else None,
+    }
+
+
 def _match_rate(ours: list[list[int]], theirs: list[list[int]]) -> float:
     """Fraction of requests whose greedy tokens equal the peer's exactly."""
     return sum(a == b for a, b in zip(ours, theirs, strict=False)) / max(len(theirs), 1)
@@ -133,6 +147,7 @@ def _throughput(args) -> None:
             "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
             "quantization": engine.config.model.quantization or "as checkpoint",
             "weight_bytes": engine.weight_bytes,
+            **_speculative_fields(engine),
         },
         "peers": {},
         "latency_samples_ms": {"heteroserve request e2e": [1000 * x for x in run.e2e_s]},
@@ -176,6 +191,7 @@ def _latency(args) -> None:
     ours["quantization"] = engine.config.model.quantization or "as checkpoint"
     ours["kv_cache_dtype"] = str(engine.kv_cache_dtype).removeprefix("torch.")
     ours["weight_bytes"] = engine.weight_bytes
+    ours.update(_speculative_fields(engine))
     result = {
         "command": "latency",
         "input_len": len(prompt),

@@ -76,15 +76,18 @@ def single_stream(engine: LLMEngine, prompt: list[int], output_len: int, repeats
         )
         start = time.perf_counter()
         engine.add_request(f"latency-{run}", {"prompt_token_ids": prompt}, params)
-        stamps = []
+        stamps, counts = [], []  # when each step's output came, and how many tokens it brought
         while engine.has_unfinished_requests():
-            if engine.step():
+            for output in engine.step():
                 stamps.append(time.perf_counter())
+                counts.append(len(output.outputs[0].token_ids))
         if run == 0:
             continue  # warm-up
         prefill.append(stamps[0] - start)
-        decode.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-        inter_token += [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        decode.append(sum(counts[1:]) / (stamps[-1] - stamps[0]))
+        for gap, count in zip([b - a for a, b in zip(stamps, stamps[1:], strict=False)], counts[1:], strict=True):
+            if count:
+                inter_token += [gap / count] * count  # speculative steps bring several tokens at once
     inter_token.sort()
     return {
         "inter_token_samples_ms": [1000 * x for x in inter_token],

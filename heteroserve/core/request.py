@@ -60,6 +60,7 @@ class Request:
     prefix_leader: Request | None = None  # the n > 1 sibling whose prompt blocks this one reuses
     image_placeholders: list[ImagePlaceholder] = field(default_factory=list)
     multimodal: object | None = None  # the images as the model runner consumes them (opaque to the core)
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens to check in the next step
     token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -4,7 +4,8 @@ Each request tracks how many of its tokens have KV computed; every step hands ou
 `max_num_batched_tokens` new tokens to running requests first, then to waiting ones. A prompt larger than
 what is left of the budget is cut into chunks (chunked prefill), so prompt chunks and decodes share a step.
 When KV blocks run out, the least urgent running request is preempted: its blocks are freed and it is
-recomputed later from its tokens so far.
+recomputed later from its tokens so far. With speculative decoding, a decoding request also computes its draft
+tokens in the step; the drafts the model confirms are kept and the KV slots of the rest are written over later.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 from heteroserve.config import SchedulerConfig
 from heteroserve.core.kv_cache_manager import KVCacheManager
+from heteroserve.core.ngram_proposer import NgramProposer
 from heteroserve.core.policy import POLICIES, RequestQueue
 from heteroserve.core.request import Request, RequestStatus
 
@@ -21,8 +23,9 @@ from heteroserve.core.request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens
+    num_new_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens (drafts included)
     block_ids: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens after the known ones
 
     @property
     def start(self) -> int:
@@ -31,7 +34,13 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens, so a new token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens == self.request.num_tokens + len(self.draft_token_ids)
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        """The tokens this step computes: known ones, then the drafts."""
+        known = self.request.token_ids[self.start : self.start + self.num_new_tokens]
+        return known + self.draft_token_ids if self.draft_token_ids else known
 
 
 @dataclass
@@ -52,17 +61,24 @@ class SchedulerStats:
     num_preemptions: int
     prefix_queries: int
     prefix_hits: int
+    spec_draft_tokens: int  # speculative tokens checked so far
+    spec_accepted_tokens: int  # of which the model confirmed
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, proposer: NgramProposer | None = None
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.proposer = proposer
         self.policy = POLICIES[config.policy]()
         self.waiting = RequestQueue(self.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -91,13 +107,15 @@ class Scheduler:
             if budget == 0:
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = request.draft_token_ids[: budget - 1] if num_new == 1 else []
+            num_new += len(drafts)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = max(self.running, key=self.waiting.key_of)
                 preempt(victim)
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = ScheduledRequest(request, num_new, [])
+                scheduled[request.request_id] = ScheduledRequest(request, num_new, [], drafts)
                 budget -= num_new
 
         running_preempted = bool(preempted)  # blocks ran short for running requests: admit no one new
@@ -136,27 +154,46 @@ class Scheduler:
             item.block_ids = self.kv_cache.block_ids(item.request.request_id)
         return SchedulerOutput(list(scheduled.values()), preempted)
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advances computed tokens, appends sampled tokens, and finishes requests that hit a stop rule."""
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advances computed tokens, appends sampled tokens (the confirmed drafts, then the model's own next
+        token), finishes requests that hit a stop rule, and proposes the next drafts."""
         finished = []
         now = time.time()
         for item in output.scheduled:
             request = item.request
             if request.status != RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += item.num_new_tokens
-            self.kv_cache.cache_computed_blocks(request)
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.append_output_token(token)
-            if request.first_token_time is None:
+            tokens = sampled.get(request.request_id, [])
+            accepted = max(len(tokens) - 1, 0)
+            self.num_draft_tokens += len(item.draft_token_ids)
+            self.num_accepted_tokens += accepted
+            request.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids) + accepted
+            if tokens and request.first_token_time is None:
                 request.first_token_time = now
-            status = self._stop_status(request, token)
+            status = None
+            for token in tokens:
+                request.append_output_token(token)
+                status = self._stop_status(request, token)
+                if status is not None:
+                    break
+            self.kv_cache.cache_computed_blocks(request)  # confirmed drafts are in token_ids now
             if status is not None:
                 self.finish_request(request.request_id, status)
                 finished.append(request)
+        if self.proposer is not None:
+            for request in self.running:
+                request.draft_token_ids = self._propose(request)
         return finished
+
+    def _propose(self, request: Request) -> list[int]:
+        """Drafts for a greedy request that is decoding, short enough that every token they could add is one the
+        request may still produce."""
+        if not request.sampling_params.greedy or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        limit = self.config.max_model_len - request.num_tokens - 1
+        if request.sampling_params.max_tokens is not None:
+            limit = min(limit, request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        return self.proposer.propose(request, limit)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Ends a request (stop, length or abort) and frees its blocks; unknown ids are ignored."""
@@ -170,7 +207,10 @@ class Scheduler:
         self.waiting.forget(request)
         request.status = status
         request.finished_time = time.time()
+        request.draft_token_ids = []
         self.kv_cache.free(request)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
         return request
 
     def stats(self) -> SchedulerStats:
@@ -181,6 +221,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_queries=self.kv_cache.stats.queries,
             prefix_hits=self.kv_cache.stats.hits,
+            spec_draft_tokens=self.num_draft_tokens,
+            spec_accepted_tokens=self.num_accepted_tokens,
         )
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
@@ -200,6 +242,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache.free(request)
+        request.draft_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from heteroserve.config import EngineConfig
 from heteroserve.core.kv_cache_manager import KVCacheManager
+from heteroserve.core.ngram_proposer import NgramProposer
 from heteroserve.core.request import Request, RequestStatus
 from heteroserve.core.scheduler import Scheduler, SchedulerStats
 from heteroserve.engine.output_processor import OutputProcessor, ParentRequest
@@ -41,7 +42,8 @@ class LLMEngine:
         self.weight_bytes = info.weight_bytes
         config.scheduler.finalize(info.max_model_len)
         kv_cache = KVCacheManager(info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, kv_cache)
+        proposer = NgramProposer(config.speculative) if config.speculative is not None else None
+        self.scheduler = Scheduler(config.scheduler, kv_cache, proposer)
         self.outputs = OutputProcessor(self.tokenizer)
         self.media = MediaPolicy(max_pixels=config.multimodal.max_image_pixels)
         self.image_processor = None
@@ -182,18 +184,24 @@ class LLMEngine:
         if not scheduled.scheduled:
             return outputs
         results = self.executor.execute(scheduled)
-        sampled = {rid: r.token_id for rid, r in results.items() if r.token_id is not None}
-        self.scheduler.update_from_output(scheduled, sampled)
+        known = {item.request.request_id: item.request.num_tokens for item in scheduled.scheduled}
+        self.scheduler.update_from_output(scheduled, {rid: r.token_ids for rid, r in results.items() if r.token_ids})
         for item in scheduled.scheduled:
             request = item.request
             rid = request.request_id
             result = results[rid]
             if result.prompt_logprobs:
                 self.outputs.add_prompt_logprobs(rid, result.prompt_logprobs)
-            if result.token_id is None:
+            appended = request.num_tokens - known[rid]  # fewer than sampled where a stop rule ended the request
+            if appended == 0:
                 continue
-            if self.outputs.add_token(rid, result.token_id, result.logprobs) and not request.status.finished:
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            for i in range(appended):
+                num_output = known[rid] + i + 1 - request.num_prompt_tokens
+                if self.outputs.add_token(rid, result.token_ids[i], result.logprobs[i], num_output):
+                    del request.token_ids[known[rid] + i + 1 :]  # a stop string: tokens after it are not output
+                    if not request.status.finished:
+                        self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                    break
             if request.status.finished:
                 self.executor.release(rid)
             output = self.outputs.make_output(rid)

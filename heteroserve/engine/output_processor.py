@@ -58,8 +58,8 @@ class OutputProcessor:
             request, prompt, index, parent, detok, [] if wants else None, 0.0 if wants else None, prompt_lp
         )
 
-    def add_token(self, request_id: str, token_id: int, logprobs: TokenLogprobs | None) -> bool:
-        """Records one sampled token; True when a stop string ended the request."""
+    def add_token(self, request_id: str, token_id: int, logprobs: TokenLogprobs | None, num_output: int) -> bool:
+        """Records one sampled token, the request's `num_output`-th; True when a stop string ended the request."""
         state = self.states[request_id]
         if logprobs is not None and state.logprobs is not None:
             state.logprobs.append(self._logprob_dict(logprobs))
@@ -67,7 +67,7 @@ class OutputProcessor:
         if state.detokenizer is None:
             return False
         request = state.request
-        stopped = state.detokenizer.add_token(token_id, request.num_output_tokens >= request.sampling_params.min_tokens)
+        stopped = state.detokenizer.add_token(token_id, num_output >= request.sampling_params.min_tokens)
         if stopped:
             request.stop_reason = state.detokenizer.stopped_by
         return stopped

@@ -14,6 +14,7 @@ from heteroserve.config import (
     MultimodalConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 
@@ -51,6 +52,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "cache's memory and what decode attention reads, at 16-bit precision for keys and values",
     )
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    group.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        help='speculative decoding for greedy requests, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (drafts looked up in the request\'s own tokens)',
+    )
     group.add_argument(
         "--generation-config",
         default="auto",
@@ -131,6 +139,16 @@ def _image_limit(value: str) -> int:
         raise argparse.ArgumentTypeError(f"expected image=N, got {value!r} ({exc})") from exc
 
 
+def _speculative_config(value: str) -> SpeculativeConfig:
+    try:
+        parsed = json.loads(value)
+        if not isinstance(parsed, dict):
+            raise ValueError("expected a JSON object")
+        return SpeculativeConfig.from_dict(parsed)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"invalid speculative config {value!r}: {exc}") from exc
+
+
 def engine_config_from_args(model: str | None, args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(
@@ -170,4 +188,5 @@ def engine_config_from_args(model: str | None, args: argparse.Namespace) -> Engi
             args.master_addr,
             args.master_port,
         ),
+        speculative=args.speculative_config,
     )

@@ -17,6 +17,7 @@ from heteroserve.config import (
     MultimodalConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from heteroserve.engine.llm_engine import LLMEngine, PromptInput
 from heteroserve.multimodal.chat import split_images
@@ -57,9 +58,11 @@ class LLM:
         nnodes: int = 1,
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
+        speculative_config: dict | None = None,
     ) -> None:
-        """limit_mm_per_prompt={"image": N}, mm_processor_kwargs={"min_pixels": ..., "max_pixels": ...} as in vLLM;
-        chat() reads local image files only under allowed_local_media_path."""
+        """limit_mm_per_prompt={"image": N}, mm_processor_kwargs={"min_pixels": ..., "max_pixels": ...} and
+        speculative_config={"method": "ngram", "num_speculative_tokens": k} as in vLLM; chat() reads local image
+        files only under allowed_local_media_path."""
         pixels = mm_processor_kwargs or {}
         config = EngineConfig(
             model=ModelConfig(model, dtype, max_model_len, seed, quantization, generation_config=generation_config),
@@ -86,6 +89,7 @@ class LLM:
                 master_addr=master_addr,
                 master_port=master_port,
             ),
+            speculative=SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

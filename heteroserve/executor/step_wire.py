@@ -24,6 +24,7 @@ class ScheduledDelta:
     block_ids: list[int]
     prompt_token_ids: list[int] | None = None  # the first time only
     sampling_params: SamplingParams | None = None  # the first time only
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens to check this step
 
 
 @dataclass
@@ -54,6 +55,7 @@ class StepEncoder:
                 item.block_ids,
                 request.prompt_token_ids if first else None,
                 request.sampling_params if first else None,
+                item.draft_token_ids,
             )
             self._sent[request.request_id] = request.num_tokens
             deltas.append(delta)
@@ -77,5 +79,5 @@ class StepDecoder:
             request = self._requests[delta.request_id]
             request.token_ids.extend(delta.new_token_ids)
             request.num_computed_tokens = delta.num_computed_tokens
-            scheduled.append(ScheduledRequest(request, delta.num_new_tokens, delta.block_ids))
+            scheduled.append(ScheduledRequest(request, delta.num_new_tokens, delta.block_ids, delta.draft_token_ids))
         return SchedulerOutput(scheduled), step.released

@@ -21,8 +21,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepResult:
-    token_id: int | None = None
-    logprobs: TokenLogprobs | None = None
+    token_ids: list[int] = field(default_factory=list)  # sampled: confirmed drafts, then the model's next token
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # one per token (None: not asked for)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for tokens start+1 .. in order
 
 
@@ -96,7 +96,7 @@ class ModelRunner:
                 decodes.append((start, item.block_ids))
             else:
                 prefills.append((len(input_ids), n, start, item.block_ids))
-            input_ids.extend(item.request.token_ids[start : start + n])
+            input_ids.extend(item.input_token_ids)
             positions.extend(range(start, start + n))
             bs = self.block_size
             slots.extend(item.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -117,7 +117,7 @@ class ModelRunner:
 
     def _sample(self, items: list[ScheduledRequest], hidden: torch.Tensor) -> dict[str, StepResult]:
         rows: list[int] = []  # hidden rows that go through the LM head
-        sample_rows: list[tuple[ScheduledRequest, int]] = []
+        sample_rows: list[tuple[ScheduledRequest, int, int]] = []  # (item, row, drafts before it)
         prompt_rows: list[tuple[ScheduledRequest, int, int]] = []  # (item, first row, count)
         offset = 0
         for item in items:
@@ -126,9 +126,11 @@ class ModelRunner:
                 count = min(start + n, request.num_prompt_tokens - 1) - start
                 prompt_rows.append((item, len(rows), count))
                 rows.extend(range(offset, offset + count))
-            if item.samples:
-                sample_rows.append((item, len(rows)))
-                rows.append(offset + n - 1)
+            if item.samples:  # the last known token's row, then one row per draft
+                drafts = len(item.draft_token_ids)
+                for j in range(drafts + 1):
+                    sample_rows.append((item, len(rows), j))
+                    rows.append(offset + n - 1 - drafts + j)
             offset += n
         results = {item.request.request_id: StepResult() for item in items}
         if not rows:
@@ -138,11 +140,16 @@ class ModelRunner:
             return results
         if sample_rows:
             # Prompt-logprob rows sit between the sampled ones; without them every row samples (no copy).
-            sampled = logits[torch.tensor([r for _, r in sample_rows], device=self.device)] if prompt_rows else logits
-            tokens, logprobs = self.sampler(sampled, [self._sampling_row(item) for item, _ in sample_rows])
-            for (item, _), token, entry in zip(sample_rows, tokens, logprobs, strict=True):
-                results[item.request.request_id].token_id = token
-                results[item.request.request_id].logprobs = entry
+            sampled = (
+                logits[torch.tensor([r for _, r, _ in sample_rows], device=self.device)] if prompt_rows else logits
+            )
+            sampling = [self._sampling_row(item, j) for item, _, j in sample_rows]
+            tokens, logprobs = self.sampler(sampled, sampling)
+            for (item, _, j), token, entry in zip(sample_rows, tokens, logprobs, strict=True):
+                result = results[item.request.request_id]
+                if len(result.token_ids) == j and (j == 0 or result.token_ids[-1] == item.draft_token_ids[j - 1]):
+                    result.token_ids.append(token)  # draft j-1 was confirmed, so this row's prediction counts
+                    result.logprobs.append(entry)
         for item, first, count in prompt_rows:
             request = item.request
             targets = torch.tensor(request.token_ids[item.start + 1 : item.start + 1 + count], device=self.device)
@@ -152,7 +159,9 @@ class ModelRunner:
             )
         return results
 
-    def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
+    def _sampling_row(self, item: ScheduledRequest, drafts_before: int) -> SamplingRow:
+        """The sampler's view of the request at the row after its known tokens and `drafts_before` drafts
+        (penalties and min_tokens see the drafts as if they had been sampled)."""
         request = item.request
         params = request.sampling_params
         generator = None
@@ -163,4 +172,5 @@ class ModelRunner:
                 generator.manual_seed(params.seed if params.seed is not None else self._seeds.getrandbits(63))
                 self._generators[request.request_id] = generator
         stop_ids = params.stop_token_ids + ([] if params.ignore_eos else self.stop_ids)
-        return SamplingRow(params, request.token_ids, request.num_prompt_tokens, stop_ids, generator)
+        token_ids = request.token_ids + item.draft_token_ids[:drafts_before] if drafts_before else request.token_ids
+        return SamplingRow(params, token_ids, request.num_prompt_tokens, stop_ids, generator)

@@ -3,12 +3,13 @@
 `Sim` plays the engine: schedule() -> "run the model" -> update_from_output(). The "model" is a fake KV
 cache that records, for every slot written, the tokens whose KV it holds, and checks that every slot a step
 reads holds the right KV. The "sampler" is a deterministic function of a request's tokens so far, so a
-request's output does not depend on batching, chunking, prefix hits or preemption: it can be compared with
-the same request run alone.
+request's output does not depend on batching, chunking, prefix hits, preemption or speculative drafts: it can
+be compared with the same request run alone.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,10 +18,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from heteroserve.config import SchedulerConfig
+from heteroserve.config import SchedulerConfig, SpeculativeConfig
 from heteroserve.core.kv_cache_manager import KVCacheManager
+from heteroserve.core.ngram_proposer import NgramProposer
 from heteroserve.core.request import Request, RequestStatus
-from heteroserve.core.scheduler import Scheduler, SchedulerOutput
+from heteroserve.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from heteroserve.sampling_params import SamplingParams
 
 EOS = 2
@@ -64,12 +66,14 @@ class Sim:
         max_model_len: int = 64,
         enable_prefix_caching: bool = True,
         sampler: Sampler = fake_sampler,
+        speculative: SpeculativeConfig | None = None,
         **scheduler_kwargs: object,
     ) -> None:
         self.config = SchedulerConfig(**scheduler_kwargs)
         self.config.finalize(max_model_len)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.kv)
+        proposer = NgramProposer(speculative) if speculative is not None else None
+        self.scheduler = Scheduler(self.config, self.kv, proposer)
         self.sampler = sampler
         self.added: dict[str, Request] = {}
         self.finished: dict[str, Request] = {}
@@ -108,7 +112,7 @@ class Sim:
         )
         self._check_schedule(output)
         self._run_fake_model(output)
-        sampled = {item.request.request_id: self.sampler(item.request) for item in output.scheduled if item.samples}
+        sampled = {item.request.request_id: self._verify(item) for item in output.scheduled if item.samples}
         for request_id in abort_before_update:
             self.abort(request_id)
         for request in self.scheduler.update_from_output(output, sampled):
@@ -134,6 +138,17 @@ class Sim:
             assert steps <= max_steps, "the scheduler stopped making progress"
         return steps
 
+    def _verify(self, item: ScheduledRequest) -> list[int]:
+        """What a model runner returns: its token after each confirmed draft, stopping at the first mismatch."""
+        tokens = []
+        for j in range(len(item.draft_token_ids) + 1):
+            view = copy.copy(item.request)  # the request as if drafts [0, j) had been sampled
+            view.token_ids = item.request.token_ids + item.draft_token_ids[:j]
+            tokens.append(self.sampler(view))
+            if j < len(item.draft_token_ids) and tokens[-1] != item.draft_token_ids[j]:
+                break
+        return tokens
+
     def _record_finished(self, request: Request) -> None:
         assert request.status.finished
         assert request.request_id not in self.finished, f"{request.request_id} reported finished twice"
@@ -149,7 +164,8 @@ class Sim:
             request = item.request
             assert request.status == RequestStatus.RUNNING and request in scheduler.running
             assert item.num_new_tokens >= 1
-            assert item.start + item.num_new_tokens <= request.num_tokens
+            assert item.start + item.num_new_tokens <= request.num_tokens + len(item.draft_token_ids)
+            assert not item.draft_token_ids or item.start == request.num_tokens - 1, "drafts only while decoding"
             assert item.block_ids == self.kv.block_ids(request.request_id)
             assert len(item.block_ids) >= self.kv.blocks_needed(item.start + item.num_new_tokens)
             if not config.enable_chunked_prefill:
@@ -168,7 +184,7 @@ class Sim:
         size = self.block_size
         for item in output.scheduled:
             request, blocks = item.request, item.block_ids
-            tokens = request.token_ids
+            tokens = request.token_ids + item.draft_token_ids
             for pos in range(item.start):
                 held = self.kv_slots.get((blocks[pos // size], pos % size))
                 assert held == tuple(tokens[: pos + 1]), f"{request.request_id} reads wrong KV at position {pos}"
@@ -797,6 +813,17 @@ class SimConfig:
     max_num_seqs: int
     enable_prefix_caching: bool
     policy: str
+    speculative: SpeculativeConfig | None
+
+
+@st.composite
+def speculative_configs(draw: st.DrawFn) -> SpeculativeConfig:
+    longest = draw(st.integers(1, 4))
+    return SpeculativeConfig(
+        num_speculative_tokens=draw(st.integers(1, 5)),
+        prompt_lookup_max=longest,
+        prompt_lookup_min=draw(st.integers(1, longest)),
+    )
 
 
 @st.composite
@@ -815,6 +842,7 @@ def sim_configs(draw: st.DrawFn) -> SimConfig:
         max_num_seqs=draw(st.integers(1, 4)),
         enable_prefix_caching=draw(st.booleans()),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
+        speculative=draw(st.none() | speculative_configs()),
     )
 
 
@@ -873,6 +901,7 @@ def test_random_workloads_keep_the_invariants(
         max_model_len=config.max_model_len,
         enable_prefix_caching=config.enable_prefix_caching,
         sampler=fake_small_vocab,
+        speculative=config.speculative,
         max_num_batched_tokens=config.max_num_batched_tokens,
         enable_chunked_prefill=config.enable_chunked_prefill,
         max_num_seqs=config.max_num_seqs,
@@ -894,6 +923,7 @@ def test_random_workloads_keep_the_invariants(
                 "min_tokens": min(op.min_tokens, max_tokens or op.min_tokens),
                 "ignore_eos": op.ignore_eos,
                 "stop_token_ids": [STOP_TOKEN],
+                "temperature": 0,  # greedy, so that speculative configs propose drafts
             }
             leader = None
             for i in range(op.n):
@@ -918,6 +948,8 @@ def test_random_workloads_keep_the_invariants(
     # Coverage, shown by --hypothesis-show-statistics.
     event("preemptions" if sim.scheduler.num_preemptions else "no preemption")
     event("prefix hits" if sim.kv.stats.hits else "no prefix hit")
+    if config.speculative is not None:
+        event("drafts confirmed" if sim.scheduler.num_accepted_tokens else "no draft confirmed")
     for request in sim.finished.values():
         event(f"finish: {request.status.finish_reason}")
 
@@ -934,3 +966,85 @@ def test_random_workloads_keep_the_invariants(
         else:
             assert request.output_token_ids == tokens
             assert request.status.finish_reason == reason
+
+
+# --- speculative decoding (n-gram drafts) ---------------------------------------------------------------
+
+PERIOD = 4
+
+
+def periodic(request: Request) -> int:
+    """A model that repeats the token PERIOD places back: n-gram drafts of it are always right."""
+    return request.token_ids[-PERIOD]
+
+
+def test_confirmed_drafts_advance_several_tokens_a_step() -> None:
+    prompt = [3, 4, 5, 6] * 3
+    plain = Sim(sampler=periodic)
+    alone = plain.add("a", prompt, max_tokens=10, temperature=0)
+    plain.run()
+    sim = Sim(sampler=periodic, speculative=SpeculativeConfig(num_speculative_tokens=3))
+    request = sim.add("a", prompt, max_tokens=10, temperature=0)
+
+    sim.run()
+
+    assert request.output_token_ids == alone.output_token_ids == [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    assert request.status == RequestStatus.FINISHED_LENGTH
+    # The prefill samples 1 token, the next steps 3 confirmed drafts + 1 each; the last token has no room for drafts.
+    assert [record.chunks[0][2] for record in sim.steps] == [12, 4, 4, 1]
+    assert sim.scheduler.num_draft_tokens == sim.scheduler.num_accepted_tokens == 6
+
+
+def test_rejected_drafts_are_computed_again_from_the_right_tokens() -> None:
+    """A model that mostly repeats the token 4 places back, but at every fifth position adds one: drafts looked
+    up in the text are partly wrong. Sim checks that no step reads the KV written for a rejected draft; the output
+    is the plain one."""
+
+    def mostly_periodic(request: Request) -> int:
+        return request.token_ids[-PERIOD] + (request.num_tokens % 5 == 0)
+
+    prompt = [3, 4, 5, 6] * 4
+    plain = Sim(sampler=mostly_periodic)
+    alone = plain.add("a", prompt, max_tokens=16, temperature=0)
+    plain.run()
+    sim = Sim(sampler=mostly_periodic, speculative=SpeculativeConfig(num_speculative_tokens=4))
+    request = sim.add("a", prompt, max_tokens=16, temperature=0)
+
+    sim.run()
+
+    assert request.output_token_ids == alone.output_token_ids
+    assert 0 < sim.scheduler.num_accepted_tokens < sim.scheduler.num_draft_tokens
+    assert sim.kv.pool.num_free_blocks == sim.kv.pool.num_blocks
+
+
+def test_a_stop_token_among_confirmed_drafts_ends_the_request_there() -> None:
+    def periodic_then_eos(request: Request) -> int:
+        return EOS if request.num_output_tokens == 5 else periodic(request)
+
+    prompt = [3, 4, 5, 6] * 3
+    sim = Sim(sampler=periodic_then_eos, speculative=SpeculativeConfig(num_speculative_tokens=4))
+    request = sim.add("a", prompt, max_tokens=20, temperature=0)
+
+    sim.run()
+
+    assert request.output_token_ids == [3, 4, 5, 6, 3, EOS]
+    assert sim.scheduler.num_accepted_tokens >= 4  # EOS came in a step that also confirmed drafts
+    assert request.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_sampled_requests_get_no_drafts() -> None:
+    sim = Sim(sampler=periodic, speculative=SpeculativeConfig(num_speculative_tokens=3))
+    sim.add("a", [3, 4, 5, 6] * 3, max_tokens=6, temperature=0.8)
+    sim.run()
+    assert sim.scheduler.num_draft_tokens == 0
+    assert all(n == 1 for record in sim.steps[1:] for _, _, n in record.chunks)
+
+
+def test_drafts_share_the_token_budget() -> None:
+    sim = Sim(sampler=periodic, speculative=SpeculativeConfig(num_speculative_tokens=4), max_num_batched_tokens=6)
+    a = sim.add("a", [3, 4, 5, 6] * 2, max_tokens=20, temperature=0)
+    b = sim.add("b", [7, 8, 9, 10] * 2, max_tokens=20, temperature=0)
+    sim.run()
+    assert max(record.num_tokens for record in sim.steps) == 6  # Sim checks every step against the budget
+    assert sim.scheduler.num_accepted_tokens > 0
+    assert (a.output_token_ids, b.output_token_ids) == ([3, 4, 5, 6] * 5, [7, 8, 9, 10] * 5)
