@@ -18,6 +18,13 @@ heteroserve bench throughput --quantization none --kv-cache-dtype float16 --scen
     --output-json bench/results/scenario_b_kv16.json
 heteroserve bench throughput --quantization none --kv-cache-dtype float16 --scenario D \
     --output-json bench/results/scenario_d_kv16.json
+# Speculative decoding by n-gram lookup (--speculative-config; the greedy outputs are plain decoding's, checked
+# against transformers' below): A and B beside transformers in the same invocation.
+NGRAM='{"method": "ngram", "num_speculative_tokens": 4}'
+heteroserve bench latency --quantization none --speculative-config "$NGRAM" --peer hf \
+    --output-json bench/results/scenario_a_ngram.json
+heteroserve bench throughput --quantization none --speculative-config "$NGRAM" --scenario B --peer hf --hf-batch 64 \
+    --output-json bench/results/scenario_b_ngram.json
 # The concurrency-1 TTFT comparison with the offline engine: 40 pairs over 4 fresh server/engine processes.
 heteroserve bench serve --quantization none --concurrency 16 --num-requests 16 --input-len 128 --output-len 64 \
     --ttft-requests 40 --ttft-rounds 4 --output-json bench/results/scenario_c.json --plot bench/results/scenario_c.png

@@ -36,6 +36,12 @@ class _EngineCollector:
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hits),
             ("num_preemptions", "Requests preempted for lack of KV blocks.", stats.num_preemptions),
+            ("spec_decode_num_draft_tokens", "Speculative draft tokens checked.", stats.spec_draft_tokens),
+            (
+                "spec_decode_num_accepted_tokens",
+                "Speculative draft tokens the model confirmed.",
+                stats.spec_accepted_tokens,
+            ),
         ):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=names)
             counter.add_metric(values, value)
