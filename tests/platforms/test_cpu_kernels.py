@@ -127,6 +127,30 @@ def test_float32_queries_over_a_16bit_cache(kernel, cache_dtype, head_dim, batch
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [32, 64])  # the generic loop; the vector path
+@pytest.mark.parametrize("sliding_window", [None, 24])
+def test_draft_rows_sharing_a_block_table(kernel, cache_dtype, head_dim, sliding_window):
+    """A speculative step: a request's decode token and drafts are consecutive rows with one block table, each
+    attending to its own prefix (the kernel reads their blocks once for all of them). Each row must equal the
+    reference's answer for that row alone."""
+    gen = torch.Generator().manual_seed(head_dim)
+    contexts, drafts = [1, 17, 40, 140, 9], [0, 3, 4, 2, 1]
+    blocks_needed = [-(-(n + d) // BLOCK_SIZE) for n, d in zip(contexts, drafts, strict=True)]
+    order = torch.randperm(sum(blocks_needed) + 3, generator=gen).tolist()
+    decodes, start = [], 0
+    for n, d, count in zip(contexts, drafts, blocks_needed, strict=True):
+        blocks = order[start : start + count]
+        decodes += [(n - 1 + j, blocks) for j in range(d + 1)]  # rows at positions n-1 .. n-1+d, one table
+        start += count
+    meta = build_attention_metadata(BLOCK_SIZE, [0] * len(decodes), decodes, [], sliding_window, torch.device("cpu"))
+    shape = (len(order), BLOCK_SIZE, 3, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(cache_dtype) for _ in range(2))
+    q = torch.randn(len(decodes), 9, head_dim, generator=gen)
+    args = (q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, head_dim**-0.5)
+    torch.testing.assert_close(kernel(*args), reference_ops.decode_attention(*args), rtol=1e-5, atol=1e-5)
+
+
 def test_float16_queries_over_a_float32_cache_are_an_error(kernel):
     q, k_cache, v_cache, tables, mask, scale = paged_batch([20], 9, 3, 64)
     with pytest.raises(RuntimeError, match="q float32 over a float16 or bfloat16 cache"):

@@ -1,7 +1,9 @@
-// Decode attention that reads the paged KV cache in place: one query token per request, no gathered copy.
+// Decode attention that reads the paged KV cache in place: one query token per row, no gathered copy.
 //
 // Work item = a request's KV heads: all of them when the batch has enough requests to keep every thread busy
 // (each block is then read front to back, which the memory system streams best), else one (request, KV head).
+// Consecutive rows with the same block table (a speculative step's decode token and drafts, each attending to
+// its own prefix through its mask) form one item, so the blocks they share are read once for all of them.
 // Each K row is loaded once and dotted with every query head of its group (GQA); softmax is two-pass in
 // float32 (scores kept per item); then each V row is loaded once and added to every head's float32
 // accumulator. Tokens whose mask entry is false (past the context, outside a sliding window) are never read,
@@ -23,6 +25,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -43,40 +46,70 @@ inline void prefetch(const scalar_t* row, int64_t count) {
   for (int64_t offset = 0; offset < size; offset += 64) __builtin_prefetch(bytes + offset);
 }
 
-// Buffers reused across the work items of one thread.
-struct Workspace {
-  std::vector<float> query, acc, scores, max_score, inv_sum;  // [G, D], [G, D], [G, L], [G], [G]
-  std::vector<int64_t> cache_rows;                            // cache row of each attended token
-  std::vector<heteroserve::vec> vector_acc;                   // attend_vectors' [G, D / kLanes]
+// One work item: the query rows of one request (several where a step checks speculative drafts: draft j is a
+// row attending to its prefix, and all of them read the same blocks, so they share one read of each K/V row)
+// and the request's KV heads from first_kv_head on.
+template <typename scalar_t>
+struct Item {
+  const scalar_t* q;  // the first row's first query head of the item, [rows, Hq, D] with rows row_stride apart
+  scalar_t* out;      // likewise
+  int64_t row_stride, rows;
+  const bool* masks;  // [rows, max_tokens]
+  const int64_t* block_table;
+  int64_t first_kv_head;
 };
 
-// Fills ws.cache_rows with the cache row (first KV head of the item) of each token the mask lets through.
-void gather_rows(const int64_t* block_table, const bool* mask, int64_t first_kv_head, const Shape& s,
-                 Workspace& ws) {
+// Buffers reused across the work items of one thread. Query heads of an item are numbered row by row:
+// gq = row * G + g for the G = group * heads_per_item heads of each row.
+struct Workspace {
+  std::vector<float> query, acc, scores, max_score, inv_sum;  // [R G, D], [R G, D], [R G, L], [R G], [R G]
+  std::vector<int64_t> cache_rows;                            // cache row of each attended token
+  std::vector<int64_t> token_index;                           // its index in the block table's tokens
+  std::vector<heteroserve::vec> vector_acc;                   // attend_vectors' [R G, D / kLanes]
+};
+
+// Fills ws.cache_rows with the cache row (first KV head of the item) of each token some row's mask lets through.
+template <typename scalar_t>
+void gather_rows(const Item<scalar_t>& item, const Shape& s, Workspace& ws) {
   ws.cache_rows.clear();
+  ws.token_index.clear();
   for (int64_t j = 0; j < s.max_tokens / s.block_size; ++j) {
     for (int64_t offset = 0; offset < s.block_size; ++offset) {
-      if (mask[j * s.block_size + offset]) {
-        ws.cache_rows.push_back((block_table[j] * s.block_size + offset) * s.num_kv_heads + first_kv_head);
+      const int64_t t = j * s.block_size + offset;
+      bool attended = false;
+      for (int64_t r = 0; r < item.rows; ++r) attended |= item.masks[r * s.max_tokens + t];
+      if (attended) {
+        ws.cache_rows.push_back((item.block_table[j] * s.block_size + offset) * s.num_kv_heads + item.first_kv_head);
+        ws.token_index.push_back(t);
       }
     }
   }
 }
 
-// Sizes the score buffers for G query heads; the query heads, scaled, go to ws.query.
+// Whether query row r attends to the item's i-th gathered token.
 template <typename scalar_t>
-void prepare(const scalar_t* q, int64_t G, const Shape& s, float scale, Workspace& ws) {
-  const int64_t D = s.head_dim;
-  ws.query.resize(G * D);
-  ws.scores.resize(G * s.max_tokens);
-  ws.max_score.assign(G, -std::numeric_limits<float>::infinity());
-  ws.inv_sum.resize(G);
-  for (int64_t i = 0; i < G * D; ++i) ws.query[i] = static_cast<float>(q[i]) * scale;
+inline bool attends(const Item<scalar_t>& item, const Shape& s, const Workspace& ws, int64_t r, int64_t i) {
+  return item.rows == 1 || item.masks[r * s.max_tokens + ws.token_index[i]];
 }
 
-// The scores of each head become exp(score - max) in place; ws.inv_sum gets 1 / their sum.
-void softmax(int64_t G, int64_t n, int64_t L, Workspace& ws) {
-  for (int64_t g = 0; g < G; ++g) {
+// Sizes the score buffers for the item's query heads; the heads, scaled, go to ws.query.
+template <typename scalar_t>
+void prepare(const Item<scalar_t>& item, int64_t G, const Shape& s, float scale, Workspace& ws) {
+  const int64_t D = s.head_dim, heads = item.rows * G;
+  ws.query.resize(heads * D);
+  ws.scores.resize(heads * s.max_tokens);
+  ws.max_score.assign(heads, -std::numeric_limits<float>::infinity());
+  ws.inv_sum.resize(heads);
+  for (int64_t r = 0; r < item.rows; ++r) {
+    const scalar_t* q = item.q + r * item.row_stride;
+    for (int64_t i = 0; i < G * D; ++i) ws.query[r * G * D + i] = static_cast<float>(q[i]) * scale;
+  }
+}
+
+// The scores of each head become exp(score - max) in place (a row's masked tokens, at -inf, become ~0);
+// ws.inv_sum gets 1 / their sum.
+void softmax(int64_t heads, int64_t n, int64_t L, Workspace& ws) {
+  for (int64_t g = 0; g < heads; ++g) {
     float* sg = ws.scores.data() + g * L;
     float sum = 0.f;
     for (int64_t i = 0; i < n; ++i) {
@@ -89,45 +122,55 @@ void softmax(int64_t G, int64_t n, int64_t L, Workspace& ws) {
 
 // Any dtype and head size.
 template <typename scalar_t, typename cache_t>
-void attend(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, const int64_t* block_table,
-            const bool* mask, int64_t first_kv_head, const Shape& s, float scale, Workspace& ws, scalar_t* out) {
-  const int64_t G = s.group * s.heads_per_item, D = s.head_dim, L = s.max_tokens;  // G: query heads of the item
-  prepare(q, G, s, scale, ws);
-  gather_rows(block_table, mask, first_kv_head, s, ws);
+void attend(const Item<scalar_t>& item, const cache_t* k_cache, const cache_t* v_cache, const Shape& s, float scale,
+            Workspace& ws) {
+  const int64_t G = s.group * s.heads_per_item, D = s.head_dim, L = s.max_tokens;  // G: query heads of a row
+  prepare(item, G, s, scale, ws);
+  gather_rows(item, s, ws);
   const int64_t n = static_cast<int64_t>(ws.cache_rows.size());
   const float* qf = ws.query.data();
   float* scores = ws.scores.data();
+  constexpr float kMasked = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < n; ++i) {
     const cache_t* k_row = k_cache + ws.cache_rows[i] * D;
     if (i + kPrefetchAhead < n) prefetch(k_cache + ws.cache_rows[i + kPrefetchAhead] * D, s.heads_per_item * D);
-    for (int64_t h = 0; h < s.heads_per_item; ++h) {
-      const cache_t* k = k_row + h * D;
-      for (int64_t g = h * s.group; g < (h + 1) * s.group; ++g) {
-        const float* qg = qf + g * D;
-        float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
-        scores[g * L + i] = dot;
-        ws.max_score[g] = std::max(ws.max_score[g], dot);
+    for (int64_t r = 0; r < item.rows; ++r) {
+      const bool attended = attends(item, s, ws, r, i);
+      for (int64_t h = 0; h < s.heads_per_item; ++h) {
+        const cache_t* k = k_row + h * D;
+        for (int64_t g = r * G + h * s.group; g < r * G + (h + 1) * s.group; ++g) {
+          const float* qg = qf + g * D;
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
+          scores[g * L + i] = attended ? dot : kMasked;
+          if (attended) ws.max_score[g] = std::max(ws.max_score[g], dot);
+        }
       }
     }
   }
-  softmax(G, n, L, ws);
-  ws.acc.assign(G * D, 0.f);
+  softmax(item.rows * G, n, L, ws);
+  ws.acc.assign(item.rows * G * D, 0.f);
   float* acc = ws.acc.data();
   for (int64_t i = 0; i < n; ++i) {
     const cache_t* v_row = v_cache + ws.cache_rows[i] * D;
     if (i + kPrefetchAhead < n) prefetch(v_cache + ws.cache_rows[i + kPrefetchAhead] * D, s.heads_per_item * D);
-    for (int64_t h = 0; h < s.heads_per_item; ++h) {
-      const cache_t* v = v_row + h * D;
-      for (int64_t g = h * s.group; g < (h + 1) * s.group; ++g) {
-        const float p = scores[g * L + i];
-        float* ag = acc + g * D;
-        for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(v[d]);
+    for (int64_t r = 0; r < item.rows; ++r) {
+      for (int64_t h = 0; h < s.heads_per_item; ++h) {
+        const cache_t* v = v_row + h * D;
+        for (int64_t g = r * G + h * s.group; g < r * G + (h + 1) * s.group; ++g) {
+          const float p = scores[g * L + i];
+          float* ag = acc + g * D;
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(v[d]);
+        }
       }
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<scalar_t>(acc[g * D + d] * ws.inv_sum[g]);
+  for (int64_t r = 0; r < item.rows; ++r) {
+    scalar_t* out = item.out + r * item.row_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t gq = r * G + g;
+      for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<scalar_t>(acc[gq * D + d] * ws.inv_sum[gq]);
+    }
   }
 }
 
@@ -149,72 +192,100 @@ void for_each_head_row(const cache_t* cache, const Shape& s, const Workspace& ws
 }
 
 // float32 queries with a head size of D, a whole number of machine vectors: each K and V row is held in registers and
-// dotted with / added to every query head of its group without run-time loop bounds. 1.15-1.2x faster than
-// `attend` on scenario B's decode steps (Intel Xeon, AVX-512), which then read the cache at ~23 of the
-// ~28 GB/s a plain read of the same blocks reaches.
+// dotted with / added to every query head of its group (of every row of the item) without run-time loop bounds.
+// 1.15-1.2x faster than `attend` on scenario B's decode steps (Intel Xeon, AVX-512), which then read the cache at
+// ~23 of the ~28 GB/s a plain read of the same blocks reaches.
 template <int D, typename cache_t>
-void attend_vectors(const float* q, const cache_t* k_cache, const cache_t* v_cache, const int64_t* block_table,
-                    const bool* mask, int64_t first_kv_head, const Shape& s, float scale, Workspace& ws, float* out) {
+void attend_vectors(const Item<float>& item, const cache_t* k_cache, const cache_t* v_cache, const Shape& s,
+                    float scale, Workspace& ws) {
   constexpr int kVectors = D / heteroserve::kLanes;
   using heteroserve::kLanes, heteroserve::load, heteroserve::vec;
-  const int64_t G = s.group * s.heads_per_item, L = s.max_tokens;
-  prepare(q, G, s, scale, ws);
-  gather_rows(block_table, mask, first_kv_head, s, ws);
+  const int64_t G = s.group * s.heads_per_item, L = s.max_tokens, heads = item.rows * G;
+  prepare(item, G, s, scale, ws);
+  gather_rows(item, s, ws);
   const float* qf = ws.query.data();
   float* scores = ws.scores.data();
   for_each_head_row<D>(k_cache, s, ws, [&](int64_t i, int64_t h, const vec* k) {
-    for (int64_t g = h * s.group; g < (h + 1) * s.group; ++g) {
-      vec dot = load(qf + g * D) * k[0];
-      for (int v = 1; v < kVectors; ++v) dot += load(qf + g * D + v * kLanes) * k[v];
-      scores[g * L + i] = heteroserve::horizontal_sum(dot);
-      ws.max_score[g] = std::max(ws.max_score[g], scores[g * L + i]);
+    for (int64_t r = 0; r < item.rows; ++r) {
+      const bool attended = attends(item, s, ws, r, i);
+      for (int64_t g = r * G + h * s.group; g < r * G + (h + 1) * s.group; ++g) {
+        vec dot = load(qf + g * D) * k[0];
+        for (int v = 1; v < kVectors; ++v) dot += load(qf + g * D + v * kLanes) * k[v];
+        const float score = heteroserve::horizontal_sum(dot);
+        scores[g * L + i] = attended ? score : -std::numeric_limits<float>::infinity();
+        if (attended) ws.max_score[g] = std::max(ws.max_score[g], score);
+      }
     }
   });
-  softmax(G, static_cast<int64_t>(ws.cache_rows.size()), L, ws);
-  ws.vector_acc.assign(G * kVectors, vec{});
+  softmax(heads, static_cast<int64_t>(ws.cache_rows.size()), L, ws);
+  ws.vector_acc.assign(heads * kVectors, vec{});
   vec* acc = ws.vector_acc.data();
   for_each_head_row<D>(v_cache, s, ws, [&](int64_t i, int64_t h, const vec* v_row) {
-    for (int64_t g = h * s.group; g < (h + 1) * s.group; ++g) {
-      for (int v = 0; v < kVectors; ++v) acc[g * kVectors + v] += scores[g * L + i] * v_row[v];
+    for (int64_t r = 0; r < item.rows; ++r) {
+      for (int64_t g = r * G + h * s.group; g < r * G + (h + 1) * s.group; ++g) {
+        for (int v = 0; v < kVectors; ++v) acc[g * kVectors + v] += scores[g * L + i] * v_row[v];
+      }
     }
   });
-  for (int64_t g = 0; g < G; ++g) {
-    for (int v = 0; v < kVectors; ++v) {
-      heteroserve::store(out + g * D + v * kLanes, acc[g * kVectors + v] * ws.inv_sum[g]);
+  for (int64_t r = 0; r < item.rows; ++r) {
+    float* out = item.out + r * item.row_stride;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t gq = r * G + g;
+      for (int v = 0; v < kVectors; ++v) {
+        heteroserve::store(out + g * D + v * kLanes, acc[gq * kVectors + v] * ws.inv_sum[gq]);
+      }
     }
   }
 }
 
 // One work item: float32 queries with head size 64 or 128 (most models) take attend_vectors, the rest attend.
 template <typename scalar_t, typename cache_t>
-void attend_item(const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache, const int64_t* block_table,
-                 const bool* mask, int64_t first_kv_head, const Shape& s, float scale, Workspace& ws, scalar_t* out) {
+void attend_item(const Item<scalar_t>& item, const cache_t* k_cache, const cache_t* v_cache, const Shape& s,
+                 float scale, Workspace& ws) {
   if constexpr (std::is_same_v<scalar_t, float>) {
     if (s.head_dim == 64 || s.head_dim == 128) {
       auto* body = s.head_dim == 64 ? attend_vectors<64, cache_t> : attend_vectors<128, cache_t>;
-      return body(q, k_cache, v_cache, block_table, mask, first_kv_head, s, scale, ws, out);
+      return body(item, k_cache, v_cache, s, scale, ws);
     }
   }
-  attend(q, k_cache, v_cache, block_table, mask, first_kv_head, s, scale, ws, out);
+  attend(item, k_cache, v_cache, s, scale, ws);
+}
+
+// Consecutive query rows with the same block table (a request's decode token and its drafts), as (first, count).
+std::vector<std::pair<int64_t, int64_t>> runs_of_equal_tables(const int64_t* tables, int64_t B, int64_t width) {
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (int64_t b = 0; b < B; ++b) {
+    const bool same = b > 0 && std::memcmp(tables + b * width, tables + (b - 1) * width, width * sizeof(int64_t)) == 0;
+    if (same) {
+      ++runs.back().second;
+    } else {
+      runs.emplace_back(b, 1);
+    }
+  }
+  return runs;
 }
 
 // Every work item of the batch, shared out over the threads.
 template <typename scalar_t, typename cache_t>
 void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* tables,
-                int64_t table_width, const bool* mask, const Shape& shape, float scale, at::Tensor& out) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), L = shape.max_tokens;
-  const int64_t items_per_request = shape.num_kv_heads / shape.heads_per_item;
+                int64_t table_width, const bool* mask, const std::vector<std::pair<int64_t, int64_t>>& runs,
+                const Shape& shape, float scale, at::Tensor& out) {
+  const int64_t Hq = q.size(1), D = q.size(2), L = shape.max_tokens;
+  const int64_t items_per_run = shape.num_kv_heads / shape.heads_per_item;
   const scalar_t* q_data = q.const_data_ptr<scalar_t>();
   const cache_t* k_data = k_cache.const_data_ptr<cache_t>();
   const cache_t* v_data = v_cache.const_data_ptr<cache_t>();
   scalar_t* out_data = out.data_ptr<scalar_t>();
-  at::parallel_for(0, B * items_per_request, 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_items = static_cast<int64_t>(runs.size()) * items_per_run;
+  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     Workspace workspace;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / items_per_request, h = item % items_per_request * shape.heads_per_item;
-      const int64_t head = (b * Hq + h * shape.group) * D;  // the group's first query head
-      attend_item(q_data + head, k_data, v_data, tables + b * table_width, mask + b * L, h, shape, scale, workspace,
-                  out_data + head);
+    for (int64_t index = begin; index < end; ++index) {
+      const auto [b, rows] = runs[index / items_per_run];
+      const int64_t h = index % items_per_run * shape.heads_per_item;
+      const int64_t head = (b * Hq + h * shape.group) * D;  // the group's first query head, first row
+      const Item<scalar_t> item{q_data + head, out_data + head, Hq * D, rows, mask + b * L,
+                                tables + b * table_width, h};
+      attend_item(item, k_data, v_data, shape, scale, workspace);
     }
   });
 }
@@ -261,18 +332,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   }
 
   at::Tensor out = at::empty({B, Hq, D}, q.options());
-  // Whole requests per item when there are enough of them to share out; otherwise (request, KV head).
-  const int64_t heads_per_item = B >= 4 * at::get_num_threads() ? Hkv : 1;
-  const Shape shape{L, block_size, Hkv, Hq / Hkv, D, heads_per_item};
   const int64_t width = block_tables.size(1);
+  const auto runs = runs_of_equal_tables(table_data, B, width);
+  // Whole requests per item when there are enough of them to share out; otherwise (request, KV head).
+  const int64_t heads_per_item = static_cast<int64_t>(runs.size()) >= 4 * at::get_num_threads() ? Hkv : 1;
+  const Shape shape{L, block_size, Hkv, Hq / Hkv, D, heads_per_item};
   const float s = static_cast<float>(scale);
   if (cache_type == at::kHalf && q.scalar_type() == at::kFloat) {
-    attend_all<float, at::Half>(q, k_cache, v_cache, table_data, width, mask_data, shape, s, out);
+    attend_all<float, at::Half>(q, k_cache, v_cache, table_data, width, mask_data, runs, shape, s, out);
   } else if (cache_type == at::kBFloat16 && q.scalar_type() == at::kFloat) {
-    attend_all<float, at::BFloat16>(q, k_cache, v_cache, table_data, width, mask_data, shape, s, out);
+    attend_all<float, at::BFloat16>(q, k_cache, v_cache, table_data, width, mask_data, runs, shape, s, out);
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-      attend_all<scalar_t, scalar_t>(q, k_cache, v_cache, table_data, width, mask_data, shape, s, out);
+      attend_all<scalar_t, scalar_t>(q, k_cache, v_cache, table_data, width, mask_data, runs, shape, s, out);
     });
   }
   return out;
