@@ -57,6 +57,7 @@ def test_throughput_with_hf_peer(tmp_path):
         assert ours[key] > 0, key
     assert ours["kv_blocks_needed"] == 3 * 2 and 0 < ours["peak_kv_blocks"] <= ours["kv_blocks_allocated"]
     assert ours["kv_cache_dtype"] == "float32"
+    assert ours["speculative"] is None and ours["spec_draft_tokens"] == 0 and ours["spec_acceptance_rate"] is None
     one, two = result["peers"]["hf_one_at_a_time"], result["peers"]["hf_static_2"]
     assert one["measured_requests"] == 1 and one["scaled"] and not two["scaled"]
     for peer in (one, two):
@@ -89,13 +90,20 @@ def test_throughput_scenario_d_and_latency(tmp_path):
         "1",
         "--peer",
         "hf",
+        "--speculative-config",
+        '{"method": "ngram", "num_speculative_tokens": 3}',
         "--output-json",
         str(lat),
         *SMALL,
     )
     result = json.loads(lat.read_text())
-    assert result["heteroserve"]["prefill_ms"] > 0 and result["heteroserve"]["decode_tokens_per_s"] > 0
-    assert result["heteroserve"]["kv_cache_dtype"] == "float32"
+    ours = result["heteroserve"]
+    assert ours["prefill_ms"] > 0 and ours["decode_tokens_per_s"] > 0
+    assert ours["kv_cache_dtype"] == "float32"
+    assert ours["speculative"]["num_speculative_tokens"] == 3
+    assert 0 <= ours["spec_accepted_tokens"] <= ours["spec_draft_tokens"]
+    # one inter-token sample per token after the first, however many tokens a speculative step brought
+    assert len(result["latency_samples_ms"]["heteroserve inter-token"]) == 6 - 1
     assert result["peers"]["hf"]["decode_ratio"] > 0
 
 
@@ -169,6 +177,8 @@ def test_serve_against_a_running_server(server, tmp_path):
         (["throughput", "--dataset", "/no/such/file.jsonl", "--input-len", "16", *SMALL], "neither workload"),
         (["serve", "--base-url", "http://127.0.0.1:9", "--ttft-rounds", "2"], "restarts the server"),
         (["serve", "--ttft-requests", "2", "--ttft-rounds", "3"], "between 1 and --ttft-requests"),
+        (["latency", "--speculative-config", '{"method": "eagle"}'], "speculative method must be 'ngram'"),
+        (["latency", "--speculative-config", "ngram"], "invalid speculative config"),
     ],
 )
 def test_bad_arguments(args, message):
