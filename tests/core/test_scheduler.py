@@ -978,15 +978,20 @@ def periodic(request: Request) -> int:
     return request.token_ids[-PERIOD]
 
 
-def test_confirmed_drafts_advance_several_tokens_a_step() -> None:
-    prompt = [3, 4, 5, 6] * 3
-    plain = Sim(sampler=periodic)
-    alone = plain.add("a", prompt, max_tokens=10, temperature=0)
+def plain_and_speculative(sampler: Sampler, prompt: list[int], drafts: int, max_tokens: int) -> tuple[Request, Sim]:
+    """The request's output without speculation, and a simulation that ran it with up to `drafts` drafts."""
+    plain = Sim(sampler=sampler)
+    alone = plain.add("a", prompt, max_tokens=max_tokens, temperature=0)
     plain.run()
-    sim = Sim(sampler=periodic, speculative=SpeculativeConfig(num_speculative_tokens=3))
-    request = sim.add("a", prompt, max_tokens=10, temperature=0)
-
+    sim = Sim(sampler=sampler, speculative=SpeculativeConfig(num_speculative_tokens=drafts))
+    sim.add("a", prompt, max_tokens=max_tokens, temperature=0)
     sim.run()
+    return alone, sim
+
+
+def test_confirmed_drafts_advance_several_tokens_a_step() -> None:
+    alone, sim = plain_and_speculative(periodic, [3, 4, 5, 6] * 3, drafts=3, max_tokens=10)
+    request = sim.finished["a"]
 
     assert request.output_token_ids == alone.output_token_ids == [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
     assert request.status == RequestStatus.FINISHED_LENGTH
@@ -1003,16 +1008,9 @@ def test_rejected_drafts_are_computed_again_from_the_right_tokens() -> None:
     def mostly_periodic(request: Request) -> int:
         return request.token_ids[-PERIOD] + (request.num_tokens % 5 == 0)
 
-    prompt = [3, 4, 5, 6] * 4
-    plain = Sim(sampler=mostly_periodic)
-    alone = plain.add("a", prompt, max_tokens=16, temperature=0)
-    plain.run()
-    sim = Sim(sampler=mostly_periodic, speculative=SpeculativeConfig(num_speculative_tokens=4))
-    request = sim.add("a", prompt, max_tokens=16, temperature=0)
+    alone, sim = plain_and_speculative(mostly_periodic, [3, 4, 5, 6] * 4, drafts=4, max_tokens=16)
 
-    sim.run()
-
-    assert request.output_token_ids == alone.output_token_ids
+    assert sim.finished["a"].output_token_ids == alone.output_token_ids
     assert 0 < sim.scheduler.num_accepted_tokens < sim.scheduler.num_draft_tokens
     assert sim.kv.pool.num_free_blocks == sim.kv.pool.num_blocks
 

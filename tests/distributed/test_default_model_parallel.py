@@ -23,15 +23,21 @@ def prompt_ids(default_tokenizer) -> list[list[int]]:
     return [default_tokenizer.encode(p) for p in PROMPTS]
 
 
-def test_tensor_parallel_2_float_matches_transformers(hf_default, prompt_ids, greedy_comparison):
-    llm = LLM(tensor_parallel_size=2, quantization="none", **ENGINE)
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 4}])
+def test_tensor_parallel_2_float_matches_transformers(speculative, hf_default, prompt_ids, greedy_comparison):
+    """With n-gram drafts, the drafts travel to the worker processes with each step."""
+    max_tokens = MAX_TOKENS if speculative is None else 32
+    llm = LLM(tensor_parallel_size=2, quantization="none", speculative_config=speculative, **ENGINE)
     try:
-        outputs = _greedy(llm, prompt_ids)
+        outputs = _greedy(llm, prompt_ids, max_tokens)
+        if speculative is not None:
+            assert llm.engine.scheduler.num_accepted_tokens > 0
     finally:
         llm.shutdown()
     for i, (output, prompt) in enumerate(zip(outputs, prompt_ids, strict=True)):
-        reference = hf_default.greedy(prompt, MAX_TOKENS)
-        greedy_comparison.check(f"default tp=2 [{i}]", list(output.outputs[0].token_ids), reference)
+        reference = hf_default.greedy(prompt, max_tokens)
+        label = f"default tp=2{' ngram' if speculative else ''} [{i}]"
+        greedy_comparison.check(label, list(output.outputs[0].token_ids), reference)
 
 
 @pytest.mark.slow
