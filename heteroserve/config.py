@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
@@ -111,7 +112,7 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, values: dict) -> SpeculativeConfig:
         """From vLLM's speculative_config dictionary; an unknown key is an error rather than ignored."""
-        unknown = set(values) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown speculative_config keys: {', '.join(sorted(unknown))}")
         return cls(**values)

@@ -85,9 +85,9 @@ def single_stream(engine: LLMEngine, prompt: list[int], output_len: int, repeats
             continue  # warm-up
         prefill.append(stamps[0] - start)
         decode.append(sum(counts[1:]) / (stamps[-1] - stamps[0]))
-        for gap, count in zip([b - a for a, b in zip(stamps, stamps[1:], strict=False)], counts[1:], strict=True):
+        for before, after, count in zip(stamps, stamps[1:], counts[1:], strict=False):
             if count:
-                inter_token += [gap / count] * count  # speculative steps bring several tokens at once
+                inter_token += [(after - before) / count] * count  # speculative steps bring several tokens at once
     inter_token.sort()
     return {
         "inter_token_samples_ms": [1000 * x for x in inter_token],

@@ -37,6 +37,12 @@ class ScheduledRequest:
         return self.start + self.num_new_tokens == self.request.num_tokens + len(self.draft_token_ids)
 
     @property
+    def decode_rows(self) -> bool:
+        """Whether every token of this step attends to its own prefix as a decode does: a one-token step, or a
+        decode token with drafts (the model runner lays these out as decode rows)."""
+        return self.num_new_tokens == 1 or bool(self.draft_token_ids)
+
+    @property
     def input_token_ids(self) -> list[int]:
         """The tokens this step computes: known ones, then the drafts."""
         known = self.request.token_ids[self.start : self.start + self.num_new_tokens]

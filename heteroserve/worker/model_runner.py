@@ -85,16 +85,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, StepResult]:
-        # Decode rows first: one-token requests, and requests checking drafts, whose every token attends to its
-        # own prefix like a decode (so a step of them runs the fused decode layer, not the prefill path).
-        items = sorted(output.scheduled, key=lambda s: s.num_new_tokens != 1 and not s.draft_token_ids)
+        # Decode rows first (a step of only those runs the fused decode layer, drafts included).
+        items = sorted(output.scheduled, key=lambda s: not s.decode_rows)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         decodes, prefills = [], []
         for item in items:
             start, n = item.start, item.num_new_tokens
-            if n == 1 or item.draft_token_ids:
+            if item.decode_rows:
                 decodes.extend((position, item.block_ids) for position in range(start, start + n))
             else:
                 prefills.append((len(input_ids), n, start, item.block_ids))

@@ -92,6 +92,12 @@ inline bool attends(const Item<scalar_t>& item, const Shape& s, const Workspace&
   return item.rows == 1 || item.masks[r * s.max_tokens + ws.token_index[i]];
 }
 
+// Stores head g's score for token i (-inf where its row does not attend to the token) and keeps its maximum.
+inline void record_score(Workspace& ws, int64_t g, int64_t i, int64_t L, bool attended, float score) {
+  ws.scores[g * L + i] = attended ? score : -std::numeric_limits<float>::infinity();
+  if (attended) ws.max_score[g] = std::max(ws.max_score[g], score);
+}
+
 // Sizes the score buffers for the item's query heads; the heads, scaled, go to ws.query.
 template <typename scalar_t>
 void prepare(const Item<scalar_t>& item, int64_t G, const Shape& s, float scale, Workspace& ws) {
@@ -130,7 +136,6 @@ void attend(const Item<scalar_t>& item, const cache_t* k_cache, const cache_t* v
   const int64_t n = static_cast<int64_t>(ws.cache_rows.size());
   const float* qf = ws.query.data();
   float* scores = ws.scores.data();
-  constexpr float kMasked = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < n; ++i) {
     const cache_t* k_row = k_cache + ws.cache_rows[i] * D;
     if (i + kPrefetchAhead < n) prefetch(k_cache + ws.cache_rows[i + kPrefetchAhead] * D, s.heads_per_item * D);
@@ -142,8 +147,7 @@ void attend(const Item<scalar_t>& item, const cache_t* k_cache, const cache_t* v
           const float* qg = qf + g * D;
           float dot = 0.f;
           for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(k[d]);
-          scores[g * L + i] = attended ? dot : kMasked;
-          if (attended) ws.max_score[g] = std::max(ws.max_score[g], dot);
+          record_score(ws, g, i, L, attended, dot);
         }
       }
     }
@@ -211,9 +215,7 @@ void attend_vectors(const Item<float>& item, const cache_t* k_cache, const cache
       for (int64_t g = r * G + h * s.group; g < r * G + (h + 1) * s.group; ++g) {
         vec dot = load(qf + g * D) * k[0];
         for (int v = 1; v < kVectors; ++v) dot += load(qf + g * D + v * kLanes) * k[v];
-        const float score = heteroserve::horizontal_sum(dot);
-        scores[g * L + i] = attended ? score : -std::numeric_limits<float>::infinity();
-        if (attended) ws.max_score[g] = std::max(ws.max_score[g], score);
+        record_score(ws, g, i, L, attended, heteroserve::horizontal_sum(dot));
       }
     }
   });
