@@ -80,7 +80,7 @@ void gather_rows(const Item<scalar_t>& item, const Shape& s, Workspace& ws) {
       for (int64_t r = 0; r < item.rows; ++r) attended |= item.masks[r * s.max_tokens + t];
       if (attended) {
         ws.cache_rows.push_back((item.block_table[j] * s.block_size + offset) * s.num_kv_heads + item.first_kv_head);
-        ws.token_index.push_back(t);
+        if (item.rows > 1) ws.token_index.push_back(t);
       }
     }
   }
@@ -198,20 +198,22 @@ void for_each_head_row(const cache_t* cache, const Shape& s, const Workspace& ws
 // float32 queries with a head size of D, a whole number of machine vectors: each K and V row is held in registers and
 // dotted with / added to every query head of its group (of every row of the item) without run-time loop bounds.
 // 1.15-1.2x faster than `attend` on scenario B's decode steps (Intel Xeon, AVX-512), which then read the cache at
-// ~23 of the ~28 GB/s a plain read of the same blocks reaches.
-template <int D, typename cache_t>
+// ~23 of the ~28 GB/s a plain read of the same blocks reaches. kOneRow: the item is one row (every step without
+// drafts), compiled without the per-row loop and mask test, which cost plain decoding ~15-30% when they ran.
+template <int D, bool kOneRow, typename cache_t>
 void attend_vectors(const Item<float>& item, const cache_t* k_cache, const cache_t* v_cache, const Shape& s,
                     float scale, Workspace& ws) {
   constexpr int kVectors = D / heteroserve::kLanes;
   using heteroserve::kLanes, heteroserve::load, heteroserve::vec;
-  const int64_t G = s.group * s.heads_per_item, L = s.max_tokens, heads = item.rows * G;
+  const int64_t rows = kOneRow ? 1 : item.rows;
+  const int64_t G = s.group * s.heads_per_item, L = s.max_tokens, heads = rows * G;
   prepare(item, G, s, scale, ws);
   gather_rows(item, s, ws);
   const float* qf = ws.query.data();
   float* scores = ws.scores.data();
   for_each_head_row<D>(k_cache, s, ws, [&](int64_t i, int64_t h, const vec* k) {
-    for (int64_t r = 0; r < item.rows; ++r) {
-      const bool attended = attends(item, s, ws, r, i);
+    for (int64_t r = 0; r < rows; ++r) {
+      const bool attended = kOneRow || attends(item, s, ws, r, i);
       for (int64_t g = r * G + h * s.group; g < r * G + (h + 1) * s.group; ++g) {
         vec dot = load(qf + g * D) * k[0];
         for (int v = 1; v < kVectors; ++v) dot += load(qf + g * D + v * kLanes) * k[v];
@@ -223,13 +225,13 @@ void attend_vectors(const Item<float>& item, const cache_t* k_cache, const cache
   ws.vector_acc.assign(heads * kVectors, vec{});
   vec* acc = ws.vector_acc.data();
   for_each_head_row<D>(v_cache, s, ws, [&](int64_t i, int64_t h, const vec* v_row) {
-    for (int64_t r = 0; r < item.rows; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
       for (int64_t g = r * G + h * s.group; g < r * G + (h + 1) * s.group; ++g) {
         for (int v = 0; v < kVectors; ++v) acc[g * kVectors + v] += scores[g * L + i] * v_row[v];
       }
     }
   });
-  for (int64_t r = 0; r < item.rows; ++r) {
+  for (int64_t r = 0; r < rows; ++r) {
     float* out = item.out + r * item.row_stride;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t gq = r * G + g;
@@ -245,10 +247,10 @@ template <typename scalar_t, typename cache_t>
 void attend_item(const Item<scalar_t>& item, const cache_t* k_cache, const cache_t* v_cache, const Shape& s,
                  float scale, Workspace& ws) {
   if constexpr (std::is_same_v<scalar_t, float>) {
-    if (s.head_dim == 64 || s.head_dim == 128) {
-      auto* body = s.head_dim == 64 ? attend_vectors<64, cache_t> : attend_vectors<128, cache_t>;
-      return body(item, k_cache, v_cache, s, scale, ws);
-    }
+    if (s.head_dim == 64 && item.rows == 1) return attend_vectors<64, true>(item, k_cache, v_cache, s, scale, ws);
+    if (s.head_dim == 64) return attend_vectors<64, false>(item, k_cache, v_cache, s, scale, ws);
+    if (s.head_dim == 128 && item.rows == 1) return attend_vectors<128, true>(item, k_cache, v_cache, s, scale, ws);
+    if (s.head_dim == 128) return attend_vectors<128, false>(item, k_cache, v_cache, s, scale, ws);
   }
   attend(item, k_cache, v_cache, s, scale, ws);
 }
