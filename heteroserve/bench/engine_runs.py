@@ -25,6 +25,7 @@ class BatchRun:
     peak_rss_mib: float
     num_steps: int
     num_preemptions: int
+    prefix_cache_hit_tokens: int  # prompt tokens whose KV the run found cached
     e2e_s: list[float]  # per request, arrival to finish
 
 
@@ -33,6 +34,7 @@ def run_batch(engine: LLMEngine, requests: Requests) -> BatchRun:
     pool = engine.scheduler.kv_cache.pool
     block = engine.config.cache.block_size
     preemptions_before = engine.scheduler.num_preemptions
+    hits_before = engine.scheduler.kv_cache.stats.hits
     start = time.perf_counter()
     for i, (prompt, max_tokens) in enumerate(requests):
         params = SamplingParams(
@@ -63,6 +65,7 @@ def run_batch(engine: LLMEngine, requests: Requests) -> BatchRun:
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         num_steps=steps,
         num_preemptions=engine.scheduler.num_preemptions - preemptions_before,
+        prefix_cache_hit_tokens=engine.scheduler.kv_cache.stats.hits - hits_before,
         e2e_s=e2e,
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -40,6 +41,41 @@ def dataset(tokenizer, vocab_size: int, args, scenario: str, num: int):
     if not Path(args.dataset).is_file():
         raise SystemExit(f"--dataset {args.dataset!r} is neither workload, random nor a JSONL file")
     return jsonl_requests(args.dataset, tokenizer.encode, args.output_len)[:num]
+
+
+def runnable_peers(engine: LLMEngine, args, result: dict):
+    """(name, peer) for each --peer that can run here; one that cannot is recorded as skipped, with why."""
+    from heteroserve.model.loader.source import resolve_model
+
+    source = resolve_model(engine.config.model.model)
+    for name in args.peer:
+        if name == "hf":
+            from heteroserve.bench.hf_peer import HFPeer
+
+            yield name, HFPeer(source, engine.dtype)
+            continue
+        from heteroserve.bench.llama_cpp_peer import LlamaCppPeer, llama_cpp_missing
+
+        missing = llama_cpp_missing()
+        if missing is not None:
+            print(f"skipping the llama-cpp peer: {missing}")
+            result["peers"][name] = {"skipped": missing}
+            continue
+        yield name, LlamaCppPeer(source, engine.max_model_len)
+
+
+def speculative_fields(engine: LLMEngine) -> dict:
+    """The speculative decoding configuration (None when off) and how many drafts the model confirmed (counted
+    since the engine started: over every round of a bench command)."""
+    config = engine.config.speculative
+    stats = engine.stats()
+    drafts, accepted = stats.spec_draft_tokens, stats.spec_accepted_tokens
+    return {
+        "speculative": dataclasses.asdict(config) if config is not None else None,
+        "spec_draft_tokens": drafts,
+        "spec_accepted_tokens": accepted,
+        "spec_acceptance_rate": accepted / drafts if drafts else None,
+    }
 
 
 def write_report(args, result: dict) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -28,34 +29,26 @@ def bench(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return result
 
 
-def test_throughput_with_hf_peer(tmp_path):
+def test_throughput_with_hf_peer_over_two_rounds(tmp_path):
+    """Ours and every transformers configuration twice, alternating: each ratio is the median of the rounds'
+    pairs, and the second round starts without the first one's cached prompts."""
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     bench(
         "throughput",
-        "--num-requests",
-        "3",
-        "--input-len",
-        "16",
-        "--output-len",
-        "4",
-        "--peer",
-        "hf",
-        "--hf-batch",
-        "1,2",
-        "--hf-requests",
-        "1",
-        "--output-json",
-        str(out),
-        "--plot",
-        str(png),
+        *("--num-requests", "3", "--input-len", "40", "--output-len", "4"),
+        *("--peer", "hf", "--hf-batch", "1,2", "--hf-requests", "1", "--rounds", "2"),
+        *("--output-json", str(out), "--plot", str(png)),
         *SMALL,
     )
     result = json.loads(out.read_text())
     ours = result["heteroserve"]
+    assert result["rounds"] == 2 and len(ours["rounds_wall_s"]) == 2
+    assert ours["wall_s"] == min(ours["rounds_wall_s"])  # the lower middle of two rounds
+    assert ours["rounds_prefix_cache_hit_tokens"] == [0, 0]  # 2 full blocks a prompt would be cached otherwise
     assert ours["output_tokens"] == 3 * 4
     for key in ("wall_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "peak_rss_mib"):
         assert ours[key] > 0, key
-    assert ours["kv_blocks_needed"] == 3 * 2 and 0 < ours["peak_kv_blocks"] <= ours["kv_blocks_allocated"]
+    assert ours["kv_blocks_needed"] == 3 * 3 and 0 < ours["peak_kv_blocks"] <= ours["kv_blocks_allocated"]
     assert ours["kv_cache_dtype"] == "float32"
     assert ours["speculative"] is None and ours["spec_draft_tokens"] == 0 and ours["spec_acceptance_rate"] is None
     one, two = result["peers"]["hf_one_at_a_time"], result["peers"]["hf_static_2"]
@@ -63,6 +56,9 @@ def test_throughput_with_hf_peer(tmp_path):
     for peer in (one, two):
         assert peer["output_tokens_per_s"] > 0 and peer["heteroserve_ratio"] > 0
         assert 0 <= peer["greedy_match_rate"] <= 1
+        ratios = peer["rounds_heteroserve_ratio"]
+        assert len(ratios) == len(peer["rounds_wall_s"]) == 2 and min(ratios) > 0
+        assert peer["heteroserve_ratio"] == pytest.approx(statistics.median(ratios))
     assert two["greedy_match_rate"] == 1.0  # same greedy tokens as transformers on these prompts
     machine = result["machine"]
     assert machine["cores"] >= 1 and machine["torch"] and "isa" in machine
@@ -173,6 +169,7 @@ def test_serve_against_a_running_server(server, tmp_path):
     [
         (["throughput", "--input-len", "200", *SMALL], "does not fit max_model_len=128"),
         (["throughput", "--peer", "nope", *SMALL], "unknown peer"),
+        (["throughput", "--rounds", "0", *SMALL], "--rounds must be at least 1"),
         (["serve", "--base-url", "http://127.0.0.1:9", "--num-requests", "1", "--input-len", "8"], "cannot reach"),
         (["throughput", "--dataset", "/no/such/file.jsonl", "--input-len", "16", *SMALL], "neither workload"),
         (["serve", "--base-url", "http://127.0.0.1:9", "--ttft-rounds", "2"], "restarts the server"),

@@ -1,0 +1,126 @@
+"""`heteroserve bench throughput`: a batch of requests at once through our engine, beside the peers' static
+batches on the same prompts, over one or more alternating rounds."""
+
+from __future__ import annotations
+
+import statistics
+
+from heteroserve.bench.engine_runs import BatchRun, run_batch
+from heteroserve.bench.harness import build_engine, engine_requests, runnable_peers, speculative_fields, write_report
+from heteroserve.bench.workload import fingerprint
+from heteroserve.engine.llm_engine import LLMEngine
+
+
+def run_throughput_bench(args) -> None:
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    engine = build_engine(args)
+    requests = engine_requests(engine, args, args.scenario, args.num_requests)
+    result = {
+        "command": "throughput",
+        "scenario": args.scenario,
+        "num_requests": len(requests),
+        "prompt_fingerprint": fingerprint([p for p, _ in requests]),
+        "rounds": args.rounds,
+        "peers": {},
+        "_platform": engine.platform,
+    }
+    peers = list(runnable_peers(engine, args, result))
+    runs: list[BatchRun] = []
+    peer_rounds: dict[str, list[dict]] = {}
+    for round_index in range(args.rounds):
+        engine.scheduler.kv_cache.pool.reset_cache()  # a round must not reuse the previous one's cached prompts
+        run = run_batch(engine, requests)
+        runs.append(run)
+        prefix = f"round {round_index + 1}: " if args.rounds > 1 else ""
+        print(
+            f"{prefix}heteroserve: {run.wall_s:.1f} s, {run.output_tokens / run.wall_s:.1f} output tok/s, peak KV "
+            f"blocks {run.peak_kv_blocks} (needed {run.kv_blocks_needed}, allocated {run.kv_blocks_allocated})"
+        )
+        for name, peer in peers:
+            for label, measured in _peer_configurations(name, peer, args, requests, run):
+                peer_rounds.setdefault(label, []).append(measured)
+                print(f"{prefix}{label}: {_describe(measured)}")
+    walls = [r.wall_s for r in runs]
+    run = next(r for r in runs if r.wall_s == statistics.median_low(walls))
+    result["heteroserve"] = _batch_fields(engine, run, walls, [r.prefix_cache_hit_tokens for r in runs])
+    result["latency_samples_ms"] = {"heteroserve request e2e": [1000 * x for x in run.e2e_s]}
+    for label, measured in peer_rounds.items():
+        result["peers"][label] = _pooled_rounds(measured)
+        if args.rounds > 1:
+            print(f"{label}: heteroserve is {result['peers'][label]['heteroserve_ratio']:.2f}x (median of rounds)")
+    write_report(args, result)
+
+
+def _peer_configurations(name: str, peer, args, requests, run: BatchRun):
+    """(label, figures) of each configuration of one peer, run right after our own run of this round."""
+    batches = [int(b) for b in args.hf_batch.split(",") if b] if name == "hf" else [1]
+    for batch in batches:
+        subset = requests[: args.hf_requests] if batch == 1 and args.hf_requests else requests
+        peer_run = peer.run_batches(subset, batch)
+        scale = len(requests) / len(subset)
+        tps = peer_run.output_tokens / peer_run.wall_s
+        label = f"{name}_static_{batch}" if batch > 1 else f"{name}_one_at_a_time"
+        yield (
+            label,
+            {
+                "wall_s": peer_run.wall_s * scale,
+                "measured_requests": len(subset),
+                "scaled": scale != 1,
+                "output_tokens_per_s": tps,
+                "heteroserve_ratio": (run.output_tokens / run.wall_s) / tps,
+                "greedy_match_rate": _match_rate(run.outputs[: len(subset)], peer_run.outputs),
+                "weights": peer.weights,
+            },
+        )
+
+
+def _describe(measured: dict) -> str:
+    note = f" (measured on {measured['measured_requests']} requests, scaled)" if measured["scaled"] else ""
+    return (
+        f"{measured['wall_s']:.1f} s{note}, {measured['output_tokens_per_s']:.1f} output tok/s -> heteroserve is "
+        f"{measured['heteroserve_ratio']:.2f}x; identical greedy outputs {measured['greedy_match_rate']:.0%}"
+    )
+
+
+def _pooled_rounds(rounds: list[dict]) -> dict:
+    """One peer configuration over the rounds: medians, each round's wall time and ratio, the worst match rate."""
+    return {
+        **rounds[0],
+        "wall_s": statistics.median(r["wall_s"] for r in rounds),
+        "output_tokens_per_s": statistics.median(r["output_tokens_per_s"] for r in rounds),
+        "heteroserve_ratio": statistics.median(r["heteroserve_ratio"] for r in rounds),
+        "greedy_match_rate": min(r["greedy_match_rate"] for r in rounds),
+        "rounds_wall_s": [r["wall_s"] for r in rounds],
+        "rounds_heteroserve_ratio": [r["heteroserve_ratio"] for r in rounds],
+    }
+
+
+def _batch_fields(engine: LLMEngine, run: BatchRun, walls: list[float], hits: list[int]) -> dict:
+    """Our figures from the round of median wall time (the lower middle one of an even count)."""
+    tokens = run.output_tokens + run.prompt_tokens
+    return {
+        "wall_s": run.wall_s,
+        "rounds_wall_s": walls,
+        "requests_per_s": len(run.outputs) / run.wall_s,
+        "output_tokens": run.output_tokens,
+        "output_tokens_per_s": run.output_tokens / run.wall_s,
+        "total_tokens_per_s": tokens / run.wall_s,
+        "peak_kv_blocks": run.peak_kv_blocks,
+        "kv_blocks_needed": run.kv_blocks_needed,
+        "kv_blocks_allocated": run.kv_blocks_allocated,
+        "peak_rss_mib": run.peak_rss_mib,
+        "steps": run.num_steps,
+        "preemptions": run.num_preemptions,
+        "rounds_prefix_cache_hit_tokens": hits,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
+        "quantization": engine.config.model.quantization or "as checkpoint",
+        "weight_bytes": engine.weight_bytes,
+        **speculative_fields(engine),
+    }
+
+
+def _match_rate(ours: list[list[int]], theirs: list[list[int]]) -> float:
+    """Fraction of requests whose greedy tokens equal the peer's exactly."""
+    return sum(a == b for a, b in zip(ours, theirs, strict=False)) / max(len(theirs), 1)
