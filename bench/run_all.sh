@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Runs the benchmarks of ../shared/bench/WORKLOAD.md serially (nothing else should run meanwhile) and
 # writes bench/results/. Float32 (the default model dequantised: --quantization none) against transformers,
-# then the default model as shipped (4-bit). Takes about 20 minutes on a 2-core machine.
+# then the default model as shipped (4-bit). Takes about 30-35 minutes on a 2-core machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
 mkdir -p bench/results
 heteroserve bench latency --quantization none --peer hf \
     --output-json bench/results/scenario_a.json --plot bench/results/scenario_a.png
-heteroserve bench throughput --quantization none --scenario B --peer hf --hf-batch 1,8,64 --hf-requests 2 \
+# B and D alternate ours and transformers over rounds (this machine's pace drifts between minutes): each ratio is
+# the median of the rounds' adjacent pairs.
+heteroserve bench throughput --quantization none --scenario B --peer hf --hf-batch 1,8,64 --hf-requests 2 --rounds 3 \
     --output-json bench/results/scenario_b.json --plot bench/results/scenario_b.png
-heteroserve bench throughput --quantization none --scenario D --peer hf --hf-batch 8 \
+heteroserve bench throughput --quantization none --scenario D --peer hf --hf-batch 8 --rounds 2 \
     --output-json bench/results/scenario_d.json --plot bench/results/scenario_d.png
 # Float32 weights and activations over a float16 KV cache (--kv-cache-dtype; llama.cpp's default cache type): B beside
 # transformers' one static batch of 64 in the same invocation, and D.
