@@ -31,10 +31,11 @@ class BatchRun:
 
 def run_batch(engine: LLMEngine, requests: Requests) -> BatchRun:
     """All requests submitted at once, greedy with EOS ignored, stepped until every one finishes."""
-    pool = engine.scheduler.kv_cache.pool
+    kv_cache = engine.scheduler.kv_cache
+    pool = kv_cache.pool
     block = engine.config.cache.block_size
     preemptions_before = engine.scheduler.num_preemptions
-    hits_before = engine.scheduler.kv_cache.stats.hits
+    hits_before = kv_cache.stats.hits
     start = time.perf_counter()
     for i, (prompt, max_tokens) in enumerate(requests):
         params = SamplingParams(
@@ -65,7 +66,7 @@ def run_batch(engine: LLMEngine, requests: Requests) -> BatchRun:
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         num_steps=steps,
         num_preemptions=engine.scheduler.num_preemptions - preemptions_before,
-        prefix_cache_hit_tokens=engine.scheduler.kv_cache.stats.hits - hits_before,
+        prefix_cache_hit_tokens=kv_cache.stats.hits - hits_before,
         e2e_s=e2e,
     )
 

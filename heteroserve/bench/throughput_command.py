@@ -41,9 +41,8 @@ def run_throughput_bench(args) -> None:
             for label, measured in _peer_configurations(name, peer, args, requests, run):
                 peer_rounds.setdefault(label, []).append(measured)
                 print(f"{prefix}{label}: {_describe(measured)}")
-    walls = [r.wall_s for r in runs]
-    run = next(r for r in runs if r.wall_s == statistics.median_low(walls))
-    result["heteroserve"] = _batch_fields(engine, run, walls, [r.prefix_cache_hit_tokens for r in runs])
+    run = sorted(runs, key=lambda r: r.wall_s)[(len(runs) - 1) // 2]  # the median round (lower middle if even)
+    result["heteroserve"] = _batch_fields(engine, run, runs)
     result["latency_samples_ms"] = {"heteroserve request e2e": [1000 * x for x in run.e2e_s]}
     for label, measured in peer_rounds.items():
         result["peers"][label] = _pooled_rounds(measured)
@@ -96,12 +95,12 @@ def _pooled_rounds(rounds: list[dict]) -> dict:
     }
 
 
-def _batch_fields(engine: LLMEngine, run: BatchRun, walls: list[float], hits: list[int]) -> dict:
-    """Our figures from the round of median wall time (the lower middle one of an even count)."""
+def _batch_fields(engine: LLMEngine, run: BatchRun, runs: list[BatchRun]) -> dict:
+    """Our figures from `run`, the round of median wall time, with every round's wall time and cache hits."""
     tokens = run.output_tokens + run.prompt_tokens
     return {
         "wall_s": run.wall_s,
-        "rounds_wall_s": walls,
+        "rounds_wall_s": [r.wall_s for r in runs],
         "requests_per_s": len(run.outputs) / run.wall_s,
         "output_tokens": run.output_tokens,
         "output_tokens_per_s": run.output_tokens / run.wall_s,
@@ -112,7 +111,7 @@ def _batch_fields(engine: LLMEngine, run: BatchRun, walls: list[float], hits: li
         "peak_rss_mib": run.peak_rss_mib,
         "steps": run.num_steps,
         "preemptions": run.num_preemptions,
-        "rounds_prefix_cache_hit_tokens": hits,
+        "rounds_prefix_cache_hit_tokens": [r.prefix_cache_hit_tokens for r in runs],
         "dtype": str(engine.dtype).removeprefix("torch."),
         "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
         "quantization": engine.config.model.quantization or "as checkpoint",
