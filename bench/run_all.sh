@@ -27,9 +27,10 @@ heteroserve bench latency --quantization none --speculative-config "$NGRAM" --pe
     --output-json bench/results/scenario_a_ngram.json
 heteroserve bench throughput --quantization none --speculative-config "$NGRAM" --scenario B --peer hf --hf-batch 64 \
     --output-json bench/results/scenario_b_ngram.json
-# The concurrency-1 TTFT comparison with the offline engine: 40 pairs over 4 fresh server/engine processes.
+# The server against the offline engine: 16 concurrent requests on each side over 3 alternating rounds, then the
+# concurrency-1 TTFT comparison, 40 pairs over 4 fresh server/engine processes.
 heteroserve bench serve --quantization none --concurrency 16 --num-requests 16 --input-len 128 --output-len 64 \
-    --ttft-requests 40 --ttft-rounds 4 --output-json bench/results/scenario_c.json --plot bench/results/scenario_c.png
+    --rounds 3 --ttft-requests 40 --ttft-rounds 4 --output-json bench/results/scenario_c.json --plot bench/results/scenario_c.png
 # As shipped (4-bit), beside llama.cpp on the same Q4_1 file when llama-cpp-python is installed (the [llama-cpp]
 # extra; without it the peer is recorded as skipped).
 heteroserve bench latency --peer llama-cpp --output-json bench/results/scenario_a_q4.json
@@ -37,7 +38,7 @@ heteroserve bench throughput --scenario B --peer llama-cpp --hf-requests 2 --out
 heteroserve bench throughput --quantization none --kernels reference --scenario B \
     --output-json bench/results/scenario_b_reference_kernels.json
 heteroserve bench serve --quantization none --gateway --no-compare-offline --concurrency 16 --num-requests 16 \
-    --input-len 128 --output-len 64 --ttft-requests 40 --output-json bench/results/gateway_overhead.json
+    --input-len 128 --output-len 64 --rounds 3 --ttft-requests 40 --output-json bench/results/gateway_overhead.json
 # Vision-language: the tests' tiny random Qwen2-VL, one 448x448 image, against transformers.
 VL_DIR=$(mktemp -d)
 python -c "import sys; from pathlib import Path; from tests.model.tiny_vl import save_tiny_vl; save_tiny_vl('qwen2_vl', Path(sys.argv[1]))" "$VL_DIR"

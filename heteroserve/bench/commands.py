@@ -81,6 +81,14 @@ def add_bench_parser(commands) -> None:
                 help="also run the requests in-process (default: on when starting our own server)",
             )
             sub.add_argument(
+                "--rounds",
+                type=int,
+                default=1,
+                help="measure the concurrent requests this many times on each side of --compare-offline and "
+                "--gateway, alternating, each later round on prompts of its own; each ratio is the median of the "
+                "rounds' pairs",
+            )
+            sub.add_argument(
                 "--ttft-requests",
                 type=int,
                 default=20,

@@ -174,6 +174,7 @@ def test_serve_against_a_running_server(server, tmp_path):
         (["throughput", "--dataset", "/no/such/file.jsonl", "--input-len", "16", *SMALL], "neither workload"),
         (["serve", "--base-url", "http://127.0.0.1:9", "--ttft-rounds", "2"], "restarts the server"),
         (["serve", "--ttft-requests", "2", "--ttft-rounds", "3"], "between 1 and --ttft-requests"),
+        (["serve", "--base-url", "http://127.0.0.1:9", "--rounds", "2"], "above 1 only with --compare-offline"),
         (["latency", "--speculative-config", '{"method": "eagle"}'], "speculative method must be 'ngram'"),
         (["latency", "--speculative-config", "ngram"], "invalid speculative config"),
     ],
@@ -185,8 +186,9 @@ def test_bad_arguments(args, message):
 
 
 def test_serve_directly_and_through_the_gateway(tmp_path):
-    """Our own server, then the same server behind `heteroserve gateway`, in one run; then the TTFT comparison
-    with the offline engine over two rounds of fresh processes."""
+    """Our own server, the offline engine and the same server behind `heteroserve gateway` in one run, their
+    throughput over two alternating rounds; then the TTFT comparison with the offline engine over two rounds of
+    fresh processes."""
     out = tmp_path / "g.json"
     bench(
         "serve",
@@ -203,15 +205,30 @@ def test_serve_directly_and_through_the_gateway(tmp_path):
         "2",
         "--ttft-rounds",
         "2",
+        "--rounds",
+        "2",
         "--output-json",
         str(out),
         *SMALL,
     )
     result = json.loads(out.read_text())
+    direct = result["heteroserve"]
+    offline = result["offline"]["throughput_rounds"]
+    assert offline["rounds"] == 2 and offline["rounds_server_output_tokens_per_s"][0] == direct["output_tokens_per_s"]
+    assert offline["rounds_offline_output_tokens_per_s"][0] == result["offline"]["output_tokens_per_s"]
+    server_s, offline_s = offline["rounds_server_output_tokens_per_s"], offline["rounds_offline_output_tokens_per_s"]
+    assert offline["rounds_ratio"] == pytest.approx([s / o for s, o in zip(server_s, offline_s, strict=True)])
+    assert result["server_vs_offline_throughput"] == pytest.approx(statistics.median(offline["rounds_ratio"]))
+    through = result["via_gateway"]["throughput_rounds"]
+    assert through["rounds_gateway_output_tokens_per_s"][0] == result["via_gateway"]["output_tokens_per_s"]
+    direct_s, gateway_s = through["rounds_direct_output_tokens_per_s"], through["rounds_gateway_output_tokens_per_s"]
+    assert through["rounds_ratio"] == pytest.approx([g / d for d, g in zip(direct_s, gateway_s, strict=True)])
+    assert result["gateway_throughput_ratio"] == pytest.approx(statistics.median(through["rounds_ratio"]))
+    assert all(x > 0 for x in offline["rounds_ratio"] + through["rounds_ratio"]) and through["rounds"] == 2
     pairs = result["offline"]["paired_ttft"]  # one pair against each of two fresh servers and offline engines
     assert pairs["rounds"] == 2 and pairs["pairs"] == 2
     assert sorted(pairs["overhead_p50_ms_per_round"]) == pytest.approx(sorted(pairs["overhead_samples_ms"]))
-    direct, gateway = result["heteroserve"], result["via_gateway"]
+    gateway = result["via_gateway"]
     for run in (direct, gateway):
         assert run["errors"] == [] and run["output_tokens"] == 3 * 4
         assert run["concurrency_1"]["requests"] == 2
