@@ -6,10 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
 mkdir -p bench/results
-heteroserve bench latency --quantization none --peer hf \
+# A, B and D alternate ours and transformers over rounds (this machine's pace drifts between minutes): each ratio
+# is the median of the rounds' adjacent pairs.
+heteroserve bench latency --quantization none --peer hf --rounds 3 \
     --output-json bench/results/scenario_a.json --plot bench/results/scenario_a.png
-# B and D alternate ours and transformers over rounds (this machine's pace drifts between minutes): each ratio is
-# the median of the rounds' adjacent pairs.
 heteroserve bench throughput --quantization none --scenario B --peer hf --hf-batch 1,8,64 --hf-requests 2 --rounds 3 \
     --output-json bench/results/scenario_b.json --plot bench/results/scenario_b.png
 heteroserve bench throughput --quantization none --scenario D --peer hf --hf-batch 8 --rounds 2 \

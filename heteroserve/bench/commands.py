@@ -1,20 +1,13 @@
-"""`heteroserve bench throughput|latency|serve`: the parser, and the latency command: our engine beside the peers
-on one stream (throughput is in throughput_command.py, serve in serve_command.py)."""
+"""`heteroserve bench throughput|latency|serve`: the parser (the commands are in throughput_command.py,
+latency_command.py and serve_command.py)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from heteroserve.bench.engine_runs import single_stream
-from heteroserve.bench.harness import (
-    PEERS,
-    build_engine,
-    engine_requests,
-    runnable_peers,
-    speculative_fields,
-    write_report,
-)
+from heteroserve.bench.harness import PEERS
+from heteroserve.bench.latency_command import run_latency_bench
 from heteroserve.bench.serve_command import run_serve_bench
 from heteroserve.bench.throughput_command import run_throughput_bench
 from heteroserve.bench.vision import add_vision_parser
@@ -25,7 +18,11 @@ def add_bench_parser(commands) -> None:
     bench = commands.add_parser("bench", help="benchmark heteroserve against peers on the shared workload")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     add_vision_parser(kinds)
-    for name, handler in (("throughput", run_throughput_bench), ("latency", _latency), ("serve", run_serve_bench)):
+    for name, handler in (
+        ("throughput", run_throughput_bench),
+        ("latency", run_latency_bench),
+        ("serve", run_serve_bench),
+    ):
         sub = kinds.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         sub.add_argument("model", nargs="?", default=None)
         sub.add_argument("--peer", action="append", default=[], help=f"also run a peer: {', '.join(PEERS)}")
@@ -60,6 +57,13 @@ def add_bench_parser(commands) -> None:
             sub.add_argument("--input-len", type=int, default=32)
             sub.add_argument("--output-len", type=int, default=128)
             sub.add_argument("--repeats", type=int, default=3)
+            sub.add_argument(
+                "--rounds",
+                type=int,
+                default=1,
+                help="run heteroserve's repeats and every peer's this many times, alternating; each ratio is the "
+                "median of the rounds' pairs",
+            )
         else:
             sub.add_argument("--base-url", default=None, help="server to measure (default: start our own)")
             sub.add_argument("--served-model", default=None, help="model name to send (default: none)")
@@ -101,35 +105,3 @@ def add_bench_parser(commands) -> None:
                 help="split that comparison over this many fresh server and offline-engine processes (our own "
                 "server only): the same prefill runs up to ~13 ms faster or slower from one process to the next",
             )
-
-
-def _latency(args) -> None:
-    engine = build_engine(args)
-    prompt = engine_requests(engine, args, "A", 1)[0][0]
-    ours = single_stream(engine, prompt, args.output_len, args.repeats)
-    samples = ours.pop("inter_token_samples_ms")
-    ours["quantization"] = engine.config.model.quantization or "as checkpoint"
-    ours["kv_cache_dtype"] = str(engine.kv_cache_dtype).removeprefix("torch.")
-    ours["weight_bytes"] = engine.weight_bytes
-    ours.update(speculative_fields(engine))
-    result = {
-        "command": "latency",
-        "input_len": len(prompt),
-        "output_len": args.output_len,
-        "heteroserve": ours,
-        "peers": {},
-        "latency_samples_ms": {"heteroserve inter-token": samples},
-        "_platform": engine.platform,
-    }
-    print(f"heteroserve: prefill {ours['prefill_ms']:.1f} ms, decode {ours['decode_tokens_per_s']:.1f} tok/s")
-    for name, peer in runnable_peers(engine, args, result):
-        theirs = peer.single_stream(prompt, args.output_len, args.repeats)
-        theirs["decode_ratio"] = ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"]
-        theirs["prefill_ratio"] = theirs["prefill_ms"] / ours["prefill_ms"]
-        theirs["weights"] = peer.weights
-        result["peers"][name] = theirs
-        print(
-            f"{name}: prefill {theirs['prefill_ms']:.1f} ms, decode {theirs['decode_tokens_per_s']:.1f} tok/s -> "
-            f"heteroserve decode {theirs['decode_ratio']:.2f}x, prefill {theirs['prefill_ratio']:.2f}x faster"
-        )
-    write_report(args, result)

@@ -84,6 +84,8 @@ def test_throughput_scenario_d_and_latency(tmp_path):
         "6",
         "--repeats",
         "1",
+        "--rounds",
+        "2",
         "--peer",
         "hf",
         "--speculative-config",
@@ -100,7 +102,13 @@ def test_throughput_scenario_d_and_latency(tmp_path):
     assert 0 <= ours["spec_accepted_tokens"] <= ours["spec_draft_tokens"]
     # one inter-token sample per token after the first, however many tokens a speculative step brought
     assert len(result["latency_samples_ms"]["heteroserve inter-token"]) == 6 - 1
-    assert result["peers"]["hf"]["decode_ratio"] > 0
+    assert ours["decode_tokens_per_s"] == min(ours["rounds_decode_tokens_per_s"])  # the lower middle of two rounds
+    hf = result["peers"]["hf"]
+    assert len(hf["rounds_decode_tokens_per_s"]) == len(ours["rounds_prefill_ms"]) == 2
+    ours_decode, hf_decode = ours["rounds_decode_tokens_per_s"], hf["rounds_decode_tokens_per_s"]
+    assert hf["rounds_decode_ratio"] == pytest.approx([o / t for o, t in zip(ours_decode, hf_decode, strict=True)])
+    assert hf["decode_ratio"] == pytest.approx(statistics.median(hf["rounds_decode_ratio"])) and hf["decode_ratio"] > 0
+    assert hf["prefill_ratio"] == pytest.approx(statistics.median(hf["rounds_prefill_ratio"]))
 
 
 def test_llama_cpp_peer_runs_the_same_gguf_or_says_why_not(tmp_path):
@@ -170,6 +178,7 @@ def test_serve_against_a_running_server(server, tmp_path):
         (["throughput", "--input-len", "200", *SMALL], "does not fit max_model_len=128"),
         (["throughput", "--peer", "nope", *SMALL], "unknown peer"),
         (["throughput", "--rounds", "0", *SMALL], "--rounds must be at least 1"),
+        (["latency", "--rounds", "0", *SMALL], "--rounds must be at least 1"),
         (["serve", "--base-url", "http://127.0.0.1:9", "--num-requests", "1", "--input-len", "8"], "cannot reach"),
         (["throughput", "--dataset", "/no/such/file.jsonl", "--input-len", "16", *SMALL], "neither workload"),
         (["serve", "--base-url", "http://127.0.0.1:9", "--ttft-rounds", "2"], "restarts the server"),
