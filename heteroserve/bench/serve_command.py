@@ -27,8 +27,6 @@ from heteroserve.model.loader import load_tokenizer
 from heteroserve.model.loader.source import resolve_model
 from heteroserve.platforms import resolve_platform
 
-SIDES = ("server", "offline")
-
 
 def server_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags of this bench run, for the server it starts."""
@@ -78,7 +76,10 @@ def run_serve_bench(args: argparse.Namespace) -> None:
     wanted = n * args.rounds + 2 * singles
     every = dataset(tokenizer, vocab, args, "C", wanted)
     if len(every) < wanted:
-        raise SystemExit(f"{args.dataset} has {len(every)} prompts; this run needs {wanted}")
+        raise SystemExit(
+            f"{args.dataset} has {len(every)} prompts; this run needs {wanted} "
+            "(--num-requests x --rounds + 2 x --ttft-requests)"
+        )
     requests = every[:n]
     single = [p for p, _ in every[n : n + singles]]
     fresh_prompts = [p for p, _ in every[n + singles : n + 2 * singles]]
@@ -116,7 +117,10 @@ def run_serve_bench(args: argparse.Namespace) -> None:
                 (serving["output_tokens_per_s"], offline_s), direct, offline_throughput(engine), later_rounds
             )
             ratios = [server_s / offline_s for server_s, offline_s in pairs]
-            offline = {"output_tokens_per_s": offline_s, "throughput_rounds": pooled_rounds(pairs, SIDES, ratios)}
+            offline = {
+                "output_tokens_per_s": offline_s,
+                "throughput_rounds": pooled_rounds(pairs, ("server", "offline"), ratios),
+            }
         if args.gateway:
             model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
             with tempfile.TemporaryDirectory() as folder:

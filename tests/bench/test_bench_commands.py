@@ -194,6 +194,18 @@ def test_bad_arguments(args, message):
     assert message in result.stderr + result.stdout
 
 
+def test_serve_refuses_a_prompt_file_too_short_for_its_rounds(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}?"}) + "\n" for i in range(5)))
+    result = bench(
+        "serve",
+        *("--dataset", str(prompts), "--num-requests", "2", "--rounds", "2", "--ttft-requests", "1"),
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "has 5 prompts; this run needs 6" in result.stderr + result.stdout
+
+
 def test_serve_directly_and_through_the_gateway(tmp_path):
     """Our own server, the offline engine and the same server behind `heteroserve gateway` in one run, their
     throughput over two alternating rounds; then the TTFT comparison with the offline engine over two rounds of
