@@ -6,7 +6,9 @@ import argparse
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from heteroserve.bench.machine import describe_machine
 from heteroserve.bench.workload import jsonl_requests, random_requests, scenario_requests
@@ -14,6 +16,7 @@ from heteroserve.engine.llm_engine import LLMEngine
 from heteroserve.entrypoints.engine_args import engine_config_from_args
 
 PEERS = ("hf", "llama-cpp")
+T = TypeVar("T")
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
@@ -62,6 +65,11 @@ def runnable_peers(engine: LLMEngine, args, result: dict):
             result["peers"][name] = {"skipped": missing}
             continue
         yield name, LlamaCppPeer(source, engine.max_model_len)
+
+
+def median_round(rounds: list[T], key: Callable[[T], float]) -> T:
+    """The round whose `key` is the median (the lower middle of an even count)."""
+    return sorted(rounds, key=key)[(len(rounds) - 1) // 2]
 
 
 def speculative_fields(engine: LLMEngine) -> dict:

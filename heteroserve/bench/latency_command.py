@@ -6,12 +6,19 @@ from __future__ import annotations
 import statistics
 
 from heteroserve.bench.engine_runs import single_stream
-from heteroserve.bench.harness import build_engine, engine_requests, runnable_peers, speculative_fields, write_report
+from heteroserve.bench.harness import (
+    build_engine,
+    engine_requests,
+    median_round,
+    runnable_peers,
+    speculative_fields,
+    write_report,
+)
 
 
-def _median_round(rounds: list[dict]) -> dict:
+def _pooled_rounds(rounds: list[dict]) -> dict:
     """The round of median decode rate (the lower middle of an even count), with every round's figures."""
-    picked = dict(sorted(rounds, key=lambda r: r["decode_tokens_per_s"])[(len(rounds) - 1) // 2])
+    picked = dict(median_round(rounds, key=lambda r: r["decode_tokens_per_s"]))
     picked["rounds_prefill_ms"] = [r["prefill_ms"] for r in rounds]
     picked["rounds_decode_tokens_per_s"] = [r["decode_tokens_per_s"] for r in rounds]
     return picked
@@ -49,7 +56,7 @@ def run_latency_bench(args) -> None:
                 f"{ours['decode_tokens_per_s'] / theirs['decode_tokens_per_s']:.2f}x, prefill "
                 f"{theirs['prefill_ms'] / ours['prefill_ms']:.2f}x faster"
             )
-    ours = _median_round(ours_rounds)
+    ours = _pooled_rounds(ours_rounds)
     result["latency_samples_ms"] = {"heteroserve inter-token": ours.pop("inter_token_samples_ms")}
     ours["quantization"] = engine.config.model.quantization or "as checkpoint"
     ours["kv_cache_dtype"] = str(engine.kv_cache_dtype).removeprefix("torch.")
@@ -58,7 +65,7 @@ def run_latency_bench(args) -> None:
     result["heteroserve"] = ours
     for name, peer in peers:
         rounds = peer_rounds[name]
-        theirs = _median_round(rounds)
+        theirs = _pooled_rounds(rounds)
         # Each ratio is the median of the rounds' adjacent pairs.
         theirs["rounds_decode_ratio"] = [
             o["decode_tokens_per_s"] / t["decode_tokens_per_s"] for o, t in zip(ours_rounds, rounds, strict=True)

@@ -116,7 +116,7 @@ def run_serve_bench(args: argparse.Namespace) -> None:
             pairs = alternate_throughput(
                 (serving["output_tokens_per_s"], offline_s), direct, offline_throughput(engine), later_rounds
             )
-            ratios = [server_s / offline_s for server_s, offline_s in pairs]
+            ratios = [server / offline for server, offline in pairs]
             offline = {
                 "output_tokens_per_s": offline_s,
                 "throughput_rounds": pooled_rounds(pairs, ("server", "offline"), ratios),

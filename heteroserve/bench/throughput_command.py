@@ -6,7 +6,14 @@ from __future__ import annotations
 import statistics
 
 from heteroserve.bench.engine_runs import BatchRun, run_batch
-from heteroserve.bench.harness import build_engine, engine_requests, runnable_peers, speculative_fields, write_report
+from heteroserve.bench.harness import (
+    build_engine,
+    engine_requests,
+    median_round,
+    runnable_peers,
+    speculative_fields,
+    write_report,
+)
 from heteroserve.bench.workload import fingerprint
 from heteroserve.engine.llm_engine import LLMEngine
 
@@ -41,7 +48,7 @@ def run_throughput_bench(args) -> None:
             for label, measured in _peer_configurations(name, peer, args, requests, run):
                 peer_rounds.setdefault(label, []).append(measured)
                 print(f"{prefix}{label}: {_describe(measured)}")
-    run = sorted(runs, key=lambda r: r.wall_s)[(len(runs) - 1) // 2]  # the median round (lower middle if even)
+    run = median_round(runs, key=lambda r: r.wall_s)
     result["heteroserve"] = _batch_fields(engine, run, runs)
     result["latency_samples_ms"] = {"heteroserve request e2e": [1000 * x for x in run.e2e_s]}
     for label, measured in peer_rounds.items():
