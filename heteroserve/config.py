@@ -12,6 +12,8 @@ QUANTIZATIONS = (None, "none", "gguf", "gptq", "awq", "int4", "int8")
 # "auto": the activations' dtype; a 16-bit cache under float32 activations halves the KV memory and what a decode
 # step reads from it (llama.cpp keeps its cache in float16 by default, F32 weights included).
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+# --reasoning-parser: the text that closes a reasoning model's thinking, after which structured outputs apply.
+REASONING_END_MARKERS = {"qwen3": "</think>", "deepseek_r1": "</think>"}
 
 
 @dataclass
@@ -207,3 +209,11 @@ class EngineConfig:
     multimodal: MultimodalConfig = field(default_factory=MultimodalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
+    # How reasoning models mark their thinking (vLLM's --reasoning-parser): structured outputs start after it.
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_END_MARKERS:
+            raise ValueError(
+                f"unknown reasoning parser {self.reasoning_parser!r}; known: {', '.join(sorted(REASONING_END_MARKERS))}"
+            )

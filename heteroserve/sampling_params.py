@@ -6,6 +6,8 @@ import copy
 from dataclasses import dataclass, field
 from enum import Enum
 
+from heteroserve.structured_output.params import StructuredOutputsParams
+
 _GREEDY_BELOW = 1e-5
 _INT64 = 2**63
 
@@ -37,9 +39,15 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # words never generated (the engine fills bad_words_token_ids)
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # guided decoding: the output matches this
     stop_strings: list[str] = field(init=False, repr=False)
+    # Each bad word's token sequences (with and without a leading space): the engine tokenizes, workers apply.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +56,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = _token_keys(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._validate()
 
     def _validate(self) -> None:
@@ -82,6 +94,16 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise bad(name, value, "an integer >= 0")
+        if self.logit_bias is not None and any(t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias.items()):
+            raise bad("logit_bias", self.logit_bias, "token ids >= 0 mapped to biases in [-100, 100]")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids >= 0")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
+        ):
+            raise bad("bad_words", self.bad_words, "a list of words (non-blank strings)")
 
     @property
     def greedy(self) -> bool:
@@ -94,3 +116,11 @@ class SamplingParams:
             setattr(params, key, value)
         params.__post_init__()  # re-normalises (new stop_strings, stop_token_ids lists) and validates
         return params
+
+
+def _token_keys(bias: dict) -> dict[int, float]:
+    """logit_bias with integer token ids as keys: OpenAI's JSON sends them as strings ("50256")."""
+    try:
+        return {int(str(token)): float(value) for token, value in bias.items()}
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}") from exc

@@ -11,6 +11,7 @@ tokens in the step; the drafts the model confirms are kept and the KV slots of t
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from heteroserve.config import SchedulerConfig
@@ -26,6 +27,8 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens (drafts included)
     block_ids: list[int]
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens after the known ones
+    # Structured outputs: the tokens the grammar allows next (an int32 bitmask row the engine fills), or None.
+    token_bitmask: Sequence[int] | None = None
 
     @property
     def start(self) -> int:
@@ -193,12 +196,16 @@ class Scheduler:
 
     def _propose(self, request: Request) -> list[int]:
         """Drafts for a greedy request that is decoding, short enough that every token they could add is one the
-        request may still produce."""
-        if not request.sampling_params.greedy or request.num_tokens - request.num_computed_tokens != 1:
+        request may still produce. Requests under a grammar take none: each draft row would need a mask of the
+        grammar advanced past the drafts before it."""
+        params = request.sampling_params
+        if not params.greedy or params.structured_outputs is not None:
+            return []
+        if request.num_tokens - request.num_computed_tokens != 1:
             return []
         limit = self.config.max_model_len - request.num_tokens - 1
-        if request.sampling_params.max_tokens is not None:
-            limit = min(limit, request.sampling_params.max_tokens - request.num_output_tokens - 1)
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
         return self.proposer.propose(request, limit)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:

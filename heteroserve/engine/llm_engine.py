@@ -6,11 +6,11 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 
-from heteroserve.config import EngineConfig
+from heteroserve.config import REASONING_END_MARKERS, EngineConfig
 from heteroserve.core.kv_cache_manager import KVCacheManager
 from heteroserve.core.ngram_proposer import NgramProposer
 from heteroserve.core.request import Request, RequestStatus
-from heteroserve.core.scheduler import Scheduler, SchedulerStats
+from heteroserve.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from heteroserve.engine.output_processor import OutputProcessor, ParentRequest
 from heteroserve.executor import make_executor
 from heteroserve.multimodal.inputs import MultimodalInputs
@@ -18,6 +18,8 @@ from heteroserve.multimodal.media import ImageError, MediaPolicy
 from heteroserve.multimodal.processor import ImageInputProcessor
 from heteroserve.outputs import RequestOutput
 from heteroserve.sampling_params import SamplingParams
+from heteroserve.structured_output.grammar_compiler import GrammarCompiler
+from heteroserve.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class LLMEngine:
                 info.model_folder, info.hf_config, mm.limit_images_per_prompt, mm.min_pixels, mm.max_pixels
             )
         self._children: dict[str, list[str]] = {}  # user request id -> engine request ids (n > 1)
+        self._structured: StructuredOutputManager | None = None  # built by the first request with a grammar
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, reported by the next step
         tokens = info.num_blocks * config.cache.block_size
         parallel = config.parallel
@@ -103,12 +106,16 @@ class LLMEngine:
         text, token_ids = self.tokenize_prompt(prompt)
         token_ids, multimodal = self._process_images(prompt, token_ids)
         self._validate(request_id, token_ids, params)
+        grammar = self._grammar(params) if params.structured_outputs is not None else None
+        reasoning_end = self._reasoning_end(text, token_ids) if grammar is not None else None
         if not params.ignore_eos and self.extra_eos_token_ids:
             params = params.clone(stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
         arrival = arrival_time or time.time()
         images = {"multimodal": multimodal, "image_placeholders": multimodal.placeholders} if multimodal else {}
         if params.n == 1:
             self._add(Request(request_id, token_ids, params, self.eos_token_id, priority, arrival, **images), text)
+            if grammar is not None:
+                self._structured.add(request_id, grammar, reasoning_end)
             return
         parent = ParentRequest(request_id, params.n)
         leader = None
@@ -127,6 +134,8 @@ class LLMEngine:
             child.prefix_leader = leader
             leader = leader or child
             self._add(child, text, i, parent)
+            if grammar is not None:
+                self._structured.add(child.request_id, grammar, reasoning_end)
             child_ids.append(child.request_id)
         self._children[request_id] = child_ids
 
@@ -163,13 +172,33 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
 
+    def _grammar(self, params: SamplingParams) -> str:
+        """The request's compiled grammar (ValueError for a bad schema, regex or grammar, before it is queued)."""
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer, and this model has none")
+            eos = [t for t in [self.eos_token_id, *self.extra_eos_token_ids] if t is not None]
+            self._structured = StructuredOutputManager(GrammarCompiler(self.tokenizer, self.vocab_size, eos))
+        return self._structured.compiler.grammar(params.structured_outputs)
+
+    def _reasoning_end(self, text: str | None, token_ids: list[int]) -> list[int] | None:
+        """With a reasoning parser, the token ids that end the reasoning the output starts with; None when the
+        prompt already closes it (Qwen3's template with enable_thinking=False ends in `<think>\n\n</think>\n\n`)."""
+        if self.config.reasoning_parser is None:
+            return None
+        marker = REASONING_END_MARKERS[self.config.reasoning_parser]
+        tail = text if text is not None else self.tokenizer.decode(token_ids[-16:])
+        if tail.rstrip().endswith(marker):
+            return None
+        return self.tokenizer.encode(marker, add_special_tokens=False)
+
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Stops requests at once and frees their blocks; each gets a final output with reason 'abort'."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for request_id in ids:
             for engine_id in self._children.get(request_id, [request_id]):
                 if self.scheduler.finish_request(engine_id, RequestStatus.FINISHED_ABORTED) is not None:
-                    self.executor.release(engine_id)
+                    self._release(engine_id)
                     output = self.outputs.make_output(engine_id)
                     if output is not None:
                         self._pending.append(output)
@@ -183,9 +212,15 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return outputs
+        if self._structured is not None:
+            self._fill_bitmasks(scheduled)
         results = self.executor.execute(scheduled)
         known = {item.request.request_id: item.request.num_tokens for item in scheduled.scheduled}
         self.scheduler.update_from_output(scheduled, {rid: r.token_ids for rid, r in results.items() if r.token_ids})
+        if self._structured is not None:
+            for item in scheduled.scheduled:
+                rid = item.request.request_id
+                self._structured.advance(rid, item.request.token_ids[known[rid] :])
         for item in scheduled.scheduled:
             request = item.request
             rid = request.request_id
@@ -203,13 +238,24 @@ class LLMEngine:
                         self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
                     break
             if request.status.finished:
-                self.executor.release(rid)
+                self._release(rid)
             output = self.outputs.make_output(rid)
             if output is not None:
                 outputs.append(output)
                 if output.finished:
                     self._forget_parent(output.request_id)
         return outputs
+
+    def _fill_bitmasks(self, scheduled: SchedulerOutput) -> None:
+        sampling = [item for item in scheduled.scheduled if item.samples]
+        masks = self._structured.bitmasks([item.request.request_id for item in sampling])
+        for item in sampling:
+            item.token_bitmask = masks.get(item.request.request_id)
+
+    def _release(self, request_id: str) -> None:
+        self.executor.release(request_id)
+        if self._structured is not None:
+            self._structured.remove(request_id)
 
     def _forget_parent(self, request_id: str) -> None:
         children = self._children.get(request_id)

@@ -8,6 +8,7 @@ would cost every step time proportional to every running request's length.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from heteroserve.core.request import Request
@@ -25,6 +26,7 @@ class ScheduledDelta:
     prompt_token_ids: list[int] | None = None  # the first time only
     sampling_params: SamplingParams | None = None  # the first time only
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens to check this step
+    token_bitmask: Sequence[int] | None = None  # the grammar's allowed next tokens (structured outputs)
 
 
 @dataclass
@@ -56,6 +58,7 @@ class StepEncoder:
                 request.prompt_token_ids if first else None,
                 request.sampling_params if first else None,
                 item.draft_token_ids,
+                item.token_bitmask,
             )
             self._sent[request.request_id] = request.num_tokens
             deltas.append(delta)
@@ -79,5 +82,9 @@ class StepDecoder:
             request = self._requests[delta.request_id]
             request.token_ids.extend(delta.new_token_ids)
             request.num_computed_tokens = delta.num_computed_tokens
-            scheduled.append(ScheduledRequest(request, delta.num_new_tokens, delta.block_ids, delta.draft_token_ids))
+            scheduled.append(
+                ScheduledRequest(
+                    request, delta.num_new_tokens, delta.block_ids, delta.draft_token_ids, delta.token_bitmask
+                )
+            )
         return SchedulerOutput(scheduled), step.released

@@ -174,4 +174,7 @@ class ModelRunner:
                 self._generators[request.request_id] = generator
         stop_ids = params.stop_token_ids + ([] if params.ignore_eos else self.stop_ids)
         token_ids = request.token_ids + item.draft_token_ids[:drafts_before] if drafts_before else request.token_ids
-        return SamplingRow(params, token_ids, request.num_prompt_tokens, stop_ids, generator)
+        bitmask = None
+        if item.token_bitmask is not None:  # requests under a grammar take no drafts, so this is row 0
+            bitmask = torch.as_tensor(item.token_bitmask, dtype=torch.int32)
+        return SamplingRow(params, token_ids, request.num_prompt_tokens, stop_ids, generator, bitmask)

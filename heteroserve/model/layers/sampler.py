@@ -21,6 +21,7 @@ class SamplingRow:
     num_prompt_tokens: int
     stop_ids: list[int]  # eos and stop tokens, masked while min_tokens is not reached
     generator: torch.Generator | None
+    token_bitmask: torch.Tensor | None = None  # structured outputs: int32 words, bit t set = token t allowed
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Sampler:
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = apply_token_bitmasks(logits, rows)
         logits = self._apply_penalties(logits, rows)
         tokens = self.argmax_rows(logits)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -119,6 +121,29 @@ class Sampler:
         for i, row in enumerate(rows):
             noise[i].exponential_(generator=row.generator)
         return (probs / noise).argmax(dim=-1)
+
+
+def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool [rows, vocab_size] from int32 words [rows, words], bit b of word w standing for token 32w+b; tokens
+    past the words' end (a vocabulary wider than the grammar's tokenizer) are not allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask[:, :, None] >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
+    if bits.shape[1] < vocab_size:
+        return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+    return bits[:, :vocab_size]
+
+
+def apply_token_bitmasks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Sets the logits of tokens a row's grammar does not allow to -inf (a copy; rows without a mask untouched)."""
+    masked = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
+    if not masked:
+        return logits
+    words = torch.stack([rows[i].token_bitmask for i in masked]).to(logits.device)
+    allowed = unpack_token_bitmask(words, logits.shape[-1])
+    index = torch.tensor(masked, device=logits.device)
+    logits = logits.clone()
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
