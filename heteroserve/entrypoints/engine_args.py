@@ -7,6 +7,7 @@ import json
 
 from heteroserve.config import (
     KV_CACHE_DTYPES,
+    REASONING_END_MARKERS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -52,6 +53,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "cache's memory and what decode attention reads, at 16-bit precision for keys and values",
     )
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_END_MARKERS),
+        help="how the model marks its thinking: chat answers split it into reasoning_content, and structured "
+        "outputs apply after it",
+    )
     group.add_argument(
         "--speculative-config",
         type=_speculative_config,
@@ -189,4 +197,5 @@ def engine_config_from_args(model: str | None, args: argparse.Namespace) -> Engi
             args.master_port,
         ),
         speculative=args.speculative_config,
+        reasoning_parser=args.reasoning_parser,
     )

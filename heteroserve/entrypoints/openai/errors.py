@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from heteroserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     408: "TimeoutError",
     429: "RateLimitError",
     500: "InternalServerError",
@@ -23,10 +23,9 @@ class APIError(Exception):
         self.status, self.message, self.param = status, message, param
 
     def body(self) -> dict:
-        info = ErrorInfo(
-            message=self.message, type=_TYPES.get(self.status, "Error"), param=self.param, code=self.status
-        )
-        return ErrorResponse(error=info).model_dump()
+        # protocol.ErrorResponse documents this shape in the OpenAPI schema (protocol imports this module).
+        kind = _TYPES.get(self.status, "Error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)

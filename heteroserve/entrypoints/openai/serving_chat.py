@@ -4,17 +4,35 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncIterator
+import inspect
+from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from PIL import Image
+from transformers import PreTrainedTokenizerBase
 
+from heteroserve.entrypoints.openai.chat_output import (
+    AutoCallsOutput,
+    ChoiceDeltas,
+    NamedCallOutput,
+    PlainOutput,
+    RequiredCallsOutput,
+    ToolOutput,
+    merge_deltas,
+)
 from heteroserve.entrypoints.openai.errors import APIError
-from heteroserve.entrypoints.openai.protocol import ChatCompletionRequest, now, random_id
-from heteroserve.entrypoints.openai.serving import OpenAIServing, sse, usage
+from heteroserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, now, random_id
+from heteroserve.entrypoints.openai.serving import OpenAIServing, prompt_logprobs_field, sse, usage
+from heteroserve.entrypoints.openai.tools import (
+    arguments_schema,
+    named_function,
+    required_calls_schema,
+    template_tool_calls,
+)
 from heteroserve.multimodal.chat import split_images
 from heteroserve.multimodal.media import ImageError
 from heteroserve.outputs import CompletionOutput
+from heteroserve.structured_output import StructuredOutputsParams
 
 
 def chat_logprobs(output: CompletionOutput, top: int) -> dict | None:
@@ -42,6 +60,38 @@ def chat_logprobs(output: CompletionOutput, top: int) -> dict | None:
     return {"content": content}
 
 
+# apply_chat_template's own arguments and the conversation: request fields set these, chat_template_kwargs may not.
+_TEMPLATE_ARGUMENTS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
+    "self",
+    "kwargs",
+} | {"messages"}
+
+
+def template_options(request: ChatCompletionRequest) -> dict:
+    """add_generation_prompt, continue_final_message (vLLM's: the last message stays open for the model to go on;
+    it turns the generation prompt off unless that is asked for too, which is a 400) and chat_template_kwargs."""
+    generation_prompt = request.add_generation_prompt
+    if request.continue_final_message:
+        if generation_prompt and "add_generation_prompt" in request.model_fields_set:
+            raise APIError(
+                400, "continue_final_message and add_generation_prompt cannot both be true", "continue_final_message"
+            )
+        generation_prompt = False
+    extra = request.chat_template_kwargs or {}
+    clashing = sorted(_TEMPLATE_ARGUMENTS & set(extra))
+    if clashing:
+        raise APIError(
+            400,
+            f"chat_template_kwargs cannot set {', '.join(clashing)}: the request's fields do",
+            "chat_template_kwargs",
+        )
+    return {
+        **extra,
+        "add_generation_prompt": generation_prompt,
+        "continue_final_message": request.continue_final_message,
+    }
+
+
 class ServingChat(OpenAIServing):
     def render(self, request: ChatCompletionRequest) -> tuple[str, list[int], list[Image.Image]]:
         """The prompt text, its token ids, and the images in the order their placeholders appear.
@@ -49,57 +99,127 @@ class ServingChat(OpenAIServing):
         Runs in a worker thread: decoding (or fetching) images must not stall the event loop."""
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it has no chat template")
-        messages: list[dict] = [{"role": m.role, "content": m.text()} for m in request.messages]
+        messages = [self._template_message(m) for m in request.messages]
         images: list[Image.Image] = []
         if any(m.has_images for m in request.messages):
             if self.engine.engine.image_processor is None:
                 raise APIError(400, f"{self.model_name} is a text-only model: it does not accept images", "messages")
             raw = [m.model_dump(exclude_none=True) for m in request.messages]
             try:
-                messages, images = split_images(raw, self.settings.media)
+                with_images, images = split_images(raw, self.settings.media)
             except ImageError as exc:
                 raise APIError(400, str(exc), "messages") from exc
+            for message, content in zip(messages, with_images, strict=True):
+                message["content"] = content["content"]
+        # tool_choice "none": the model is not shown the tools, so it has no format in which to call them.
+        tools = None
+        if request.tools and request.tool_choice != "none":
+            tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+        options = template_options(request)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
+                tools=tools,
                 tokenize=False,
-                add_generation_prompt=request.add_generation_prompt,
+                **options,
                 chat_template=request.chat_template or self.settings.chat_template,
             )
         except Exception as exc:  # jinja2 errors from the template (e.g. roles it rejects)
             raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from exc
         return text, self.tokenizer.encode(text, add_special_tokens=False), images
 
+    @staticmethod
+    def _template_message(message: ChatMessage) -> dict:
+        """A history message as chat templates take it: text content, tool calls with arguments as objects."""
+        converted: dict = {"role": message.role, "content": message.text()}
+        if message.tool_calls:
+            converted["tool_calls"] = template_tool_calls(message.tool_calls)
+        for name in ("tool_call_id", "name", "reasoning_content"):
+            value = getattr(message, name)
+            if value is not None:
+                converted[name] = value
+        return converted
+
+    def _tool_output(
+        self, request: ChatCompletionRequest
+    ) -> tuple[Callable[[], ToolOutput], StructuredOutputsParams | None]:
+        """How this request's choices treat tool calls, and the constraint that forces them, if any."""
+        choice = request.tool_choice or ("auto" if request.tools else "none")
+        if not request.tools:
+            if choice != "none":
+                raise APIError(400, "tool_choice needs tools", "tool_choice")
+            return PlainOutput, None
+        if choice == "none":
+            return PlainOutput, None
+        if choice == "auto":
+            parser = self.settings.tool_call_parser
+            if parser is None:
+                raise APIError(
+                    400,
+                    'tool_choice "auto" (the default when tools are given) needs the server started with '
+                    '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "required", a named '
+                    'function, or "none"',
+                    "tool_choice",
+                )
+            return functools.partial(AutoCallsOutput, parser), None
+        if choice == "required":
+            schema = required_calls_schema(request.tools, request.parallel_tool_calls)
+            return RequiredCallsOutput, StructuredOutputsParams(json=schema)
+        tool = named_function(request.tools, choice)
+        return functools.partial(NamedCallOutput, tool.function.name), StructuredOutputsParams(
+            json=arguments_schema(tool)
+        )
+
     async def create(self, request: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         self.check_model(request.model)
+        self.check_request(request)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         self.check_capacity()
+        tool_output, forced = self._tool_output(request)
         text, ids, images = await asyncio.to_thread(self.render, request)
         max_tokens = self.max_tokens_for(len(ids), request.max_completion_tokens or request.max_tokens)
         top = request.top_logprobs or 0
         logprobs = top if request.logprobs else None
-        params = self.params(lambda: request.sampling_params(max_tokens, self.defaults, logprobs))
+        params = self.params(
+            lambda: request.sampling_params(max_tokens, self.defaults, logprobs, request.prompt_logprobs)
+        )
+        if forced is not None:
+            if params.structured_outputs is not None:
+                raise APIError(
+                    400,
+                    "tool_choice forces a tool call, so the output cannot also follow response_format "
+                    "or structured_outputs",
+                    "tool_choice",
+                )
+            params = self.params(lambda: params.clone(structured_outputs=forced))
         request_id = random_id("chatcmpl")
         prompt = {"prompt": text, "prompt_token_ids": ids}
         if images:
             prompt["multi_modal_data"] = {"image": images}
         first, stream = await self.start(request_id, prompt, params, request.priority)
+        choices = {i: ChoiceDeltas(tool_output(), self.settings.reasoning_parser) for i in range(request.n)}
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, first, stream, top), media_type="text/event-stream"
+                self._stream(request, request_id, first, stream, top, choices), media_type="text/event-stream"
             )
         final = None
         async for output in self.rest(first, stream):
             final = output
-        choices, completion_tokens = [], 0
+        answers, completion_tokens = [], 0
         for completion in final.outputs:
             completion_tokens += len(completion.token_ids)
             self.record(final, len(completion.token_ids), completion.finish_reason)
-            choices.append(
+            deltas = choices[completion.index]
+            message = merge_deltas(
+                deltas.feed(completion.text) + deltas.finish(), self.settings.reasoning_parser is not None
+            )
+            answers.append(
                 {
                     "index": completion.index,
-                    "message": {"role": "assistant", "content": completion.text},
+                    "message": message,
                     "logprobs": chat_logprobs(completion, top),
-                    "finish_reason": completion.finish_reason,
+                    "finish_reason": deltas.finish_reason(completion.finish_reason),
                     "stop_reason": completion.stop_reason,
                 }
             )
@@ -110,48 +230,44 @@ class ServingChat(OpenAIServing):
                 "object": "chat.completion",
                 "created": now(),
                 "model": self.model_name,
-                "choices": choices,
+                "choices": answers,
                 "usage": totals,
+                **prompt_logprobs_field(request.prompt_logprobs, final),
             }
         )
 
-    async def _stream(self, request, request_id, first, stream, top) -> AsyncIterator[str]:
+    async def _stream(self, request, request_id, first, stream, top, choices) -> AsyncIterator[str]:
         created = now()
         counts: dict[int, int] = {}
 
         chunk = functools.partial(self.stream_chunk, request_id, "chat.completion.chunk", created)
 
+        def choice(index: int, delta: dict, logprobs=None, finish_reason=None) -> str:
+            return chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+
         try:
             for index in range(request.n):
-                yield chunk(
-                    [
-                        {
-                            "index": index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
+                yield choice(index, {"role": "assistant", "content": ""})
             prompt_tokens = len(first.prompt_token_ids)
             async for output in self.rest(first, stream):
                 for completion in output.outputs:
                     counts[completion.index] = counts.get(completion.index, 0) + len(completion.token_ids)
+                    deltas = choices[completion.index]
+                    pieces = deltas.feed(completion.text) if completion.text else []
                     if completion.finish_reason is not None:
                         self.record(output, counts[completion.index], completion.finish_reason)
-                    if not (completion.text or completion.token_ids or completion.finish_reason):
-                        continue
-                    delta = {"content": completion.text} if completion.text else {}
-                    yield chunk(
-                        [
-                            {
-                                "index": completion.index,
-                                "delta": delta,
-                                "logprobs": chat_logprobs(completion, top),
-                                "finish_reason": completion.finish_reason,
-                            }
-                        ]
-                    )
+                        pieces += deltas.finish()
+                    logprobs = chat_logprobs(completion, top)
+                    for piece in pieces[:-1]:
+                        yield choice(completion.index, piece)
+                    if pieces or completion.token_ids or completion.finish_reason:
+                        # The last piece carries the step's logprobs and the finish reason.
+                        yield choice(
+                            completion.index,
+                            pieces[-1] if pieces else {},
+                            logprobs,
+                            deltas.finish_reason(completion.finish_reason),
+                        )
             if request.stream_options and request.stream_options.include_usage:
                 generated = sum(counts.values())
                 yield chunk([], usage(prompt_tokens, generated))
