@@ -40,6 +40,13 @@ def add_bench_parser(commands) -> None:
             sub.add_argument("--output-len", type=int, default=128)
             sub.add_argument("--hf-batch", default="1,8,64", help="transformers static batch sizes to run")
             sub.add_argument(
+                "--structured",
+                choices=["json-schema"],
+                default=None,
+                help="run the batch plain and with a JSON schema per request (structured outputs), alternating: "
+                "the grammar's cost",
+            )
+            sub.add_argument(
                 "--hf-requests",
                 type=int,
                 default=None,

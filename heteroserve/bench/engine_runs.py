@@ -5,10 +5,12 @@ from __future__ import annotations
 import resource
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from heteroserve.engine.llm_engine import LLMEngine
 from heteroserve.sampling_params import RequestOutputKind, SamplingParams
+from heteroserve.structured_output import StructuredOutputsParams
 
 Requests = list[tuple[list[int], int]]
 
@@ -29,8 +31,26 @@ class BatchRun:
     e2e_s: list[float]  # per request, arrival to finish
 
 
-def run_batch(engine: LLMEngine, requests: Requests) -> BatchRun:
-    """All requests submitted at once, greedy with EOS ignored, stepped until every one finishes."""
+def structured_schema(index: int) -> StructuredOutputsParams:
+    """`bench throughput --structured json-schema`: a JSON schema of its own for each request (so each compiles
+    once), an object whose array needs more items than the output has tokens, so the grammar constrains every
+    token and the output lengths stay those of the plain run."""
+    notes = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 256}
+    return StructuredOutputsParams(
+        json={
+            "type": "object",
+            "properties": {f"notes_{index}": notes, "count": {"type": "integer"}},
+            "required": [f"notes_{index}", "count"],
+            "additionalProperties": False,
+        }
+    )
+
+
+def run_batch(
+    engine: LLMEngine, requests: Requests, structured: Callable[[int], StructuredOutputsParams] | None = None
+) -> BatchRun:
+    """All requests submitted at once, greedy with EOS ignored, stepped until every one finishes; with
+    `structured`, request i's output follows the constraint structured(i)."""
     kv_cache = engine.scheduler.kv_cache
     pool = kv_cache.pool
     block = engine.config.cache.block_size
@@ -39,7 +59,11 @@ def run_batch(engine: LLMEngine, requests: Requests) -> BatchRun:
     start = time.perf_counter()
     for i, (prompt, max_tokens) in enumerate(requests):
         params = SamplingParams(
-            temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+            temperature=0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured(i) if structured is not None else None,
         )
         engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)
     outputs: dict[str, list[int]] = {}

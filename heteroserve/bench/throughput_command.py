@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from heteroserve.bench.engine_runs import BatchRun, run_batch
+from heteroserve.bench.engine_runs import BatchRun, run_batch, structured_schema
 from heteroserve.bench.harness import (
     build_engine,
     engine_requests,
@@ -32,6 +32,11 @@ def run_throughput_bench(args) -> None:
         "peers": {},
         "_platform": engine.platform,
     }
+    if args.structured is not None:
+        if args.peer:
+            raise SystemExit("--structured compares our engine with and without grammars: run it without --peer")
+        _structured_rounds(engine, requests, args, result)
+        return
     peers = list(runnable_peers(engine, args, result))
     runs: list[BatchRun] = []
     peer_rounds: dict[str, list[dict]] = {}
@@ -55,6 +60,38 @@ def run_throughput_bench(args) -> None:
         result["peers"][label] = _pooled_rounds(measured)
         if args.rounds > 1:
             print(f"{label}: heteroserve is {result['peers'][label]['heteroserve_ratio']:.2f}x (median of rounds)")
+    write_report(args, result)
+
+
+def _structured_rounds(engine: LLMEngine, requests, args, result: dict) -> None:
+    """The same batch plain and with a JSON schema per request, alternating which goes first each round; the cost
+    of the grammar is the median of the rounds' throughput ratios."""
+    plain_runs: list[BatchRun] = []
+    structured_runs: list[BatchRun] = []
+    for round_index in range(args.rounds):
+        order = [False, True] if round_index % 2 == 0 else [True, False]
+        for structured in order:
+            engine.scheduler.kv_cache.pool.reset_cache()
+            run = run_batch(engine, requests, structured_schema if structured else None)
+            (structured_runs if structured else plain_runs).append(run)
+            label = "json schema" if structured else "plain"
+            tokens_per_s = run.output_tokens / run.wall_s
+            print(f"round {round_index + 1}: {label}: {run.wall_s:.1f} s, {tokens_per_s:.1f} output tok/s")
+    ratios = [
+        (s.output_tokens / s.wall_s) / (p.output_tokens / p.wall_s)
+        for p, s in zip(plain_runs, structured_runs, strict=True)
+    ]
+    plain = median_round(plain_runs, key=lambda r: r.wall_s)
+    structured = median_round(structured_runs, key=lambda r: r.wall_s)
+    result["heteroserve"] = _batch_fields(engine, plain, plain_runs)
+    result["structured"] = {
+        "constraint": args.structured,
+        **_batch_fields(engine, structured, structured_runs),
+        "throughput_vs_plain": statistics.median(ratios),
+        "rounds_throughput_vs_plain": ratios,
+    }
+    result["latency_samples_ms"] = {"heteroserve request e2e": [1000 * x for x in plain.e2e_s]}
+    print(f"json schema per request: {statistics.median(ratios):.1%} of plain throughput (median of rounds)")
     write_report(args, result)
 
 

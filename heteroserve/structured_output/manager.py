@@ -48,9 +48,10 @@ class StructuredOutputManager:
         self._requests.pop(request_id, None)
 
     def bitmasks(self, request_ids: list[str]) -> dict[str, np.ndarray]:
-        """The next-token bitmask (int32 row) of each listed request that is constrained now."""
+        """The next-token bitmask (int32 row) of each listed request that is constrained now (not reasoning, and
+        its grammar not yet ended by an eos)."""
         active = [(rid, self._requests[rid].matcher) for rid in request_ids if rid in self._requests]
-        active = [(rid, m) for rid, m in active if m is not None]
+        active = [(rid, m) for rid, m in active if m is not None and not m.is_stopped()]
         if not active:
             return {}
         masks = np.empty((len(active), self._width), dtype=np.int32)
@@ -64,6 +65,8 @@ class StructuredOutputManager:
         if state is None:
             return
         for token in token_ids:
+            if state.matcher is not None and state.matcher.is_stopped():
+                return  # the grammar is complete and its eos consumed: tokens after it (ignore_eos) are free
             if state.matcher is None:
                 state.recent = (state.recent + [token])[-len(state.reasoning_end) :]
                 if state.recent == state.reasoning_end:
