@@ -48,10 +48,10 @@ class StructuredOutputManager:
         self._requests.pop(request_id, None)
 
     def bitmasks(self, request_ids: list[str]) -> dict[str, np.ndarray]:
-        """The next-token bitmask (int32 row) of each listed request that is constrained now (not reasoning, and
-        its grammar not yet ended by an eos)."""
+        """The next-token bitmask (int32 row) of each listed request that is constrained now (not reasoning).
+        A complete grammar allows only an eos."""
         active = [(rid, self._requests[rid].matcher) for rid in request_ids if rid in self._requests]
-        active = [(rid, m) for rid, m in active if m is not None and not m.is_stopped()]
+        active = [(rid, m) for rid, m in active if m is not None]
         if not active:
             return {}
         masks = np.empty((len(active), self._width), dtype=np.int32)
@@ -66,7 +66,9 @@ class StructuredOutputManager:
             return
         for token in token_ids:
             if state.matcher is not None and state.matcher.is_stopped():
-                return  # the grammar is complete and its eos consumed: tokens after it (ignore_eos) are free
+                # The grammar was complete and this is the eos it allowed; what follows (ignore_eos) is free.
+                del self._requests[request_id]
+                return
             if state.matcher is None:
                 state.recent = (state.recent + [token])[-len(state.reasoning_end) :]
                 if state.recent == state.reasoning_end:

@@ -1,0 +1,159 @@
+"""Tool calling with tool_choice "auto", reasoning content and tool-call history, through a real server started
+as vLLM users start one: --enable-auto-tool-choice --tool-call-parser hermes --reasoning-parser qwen3 and a
+tool-aware --chat-template. The default model does not write tool calls on its own, so these requests steer its
+output with a regex into the Hermes format; what is tested is the server's side: the template, the parser,
+streaming, and where the grammar starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.server_process import ServerProcess
+from tests.entrypoints.test_structured_server import TOOLS, WEATHER, reassemble
+
+MODEL = "SmolLM2-135M-Instruct"
+TEMPLATE = Path(__file__).parent / "templates" / "chatml_tools.jinja"
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Some prose, then one Hermes tool call whose city the model chooses.
+HERMES_CALL = (
+    r'I will look it up\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+    r'\{"city": "[A-Z][a-z]{2,10}", "unit": "(celsius|fahrenheit)"\}\}\n</tool_call>'
+)
+
+
+@pytest.fixture(scope="module")
+def tools_server():
+    process = ServerProcess(
+        "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 * 1024**2), "--quantization", "none",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+        "--chat-template", str(TEMPLATE),
+    )  # fmt: skip
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(tools_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tools_server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_auto_tool_calls_are_parsed_and_stream_the_same(client):
+    kwargs = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        temperature=0,
+        max_tokens=80,
+        extra_body={"structured_outputs": {"regex": HERMES_CALL}, "chat_template_kwargs": {"enable_thinking": False}},
+    )
+    reply = client.chat.completions.create(**kwargs)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "I will look it up."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city", "unit"} and arguments["city"][0].isupper()
+    content, calls, finish = reassemble(client.chat.completions.create(**kwargs, stream=True))
+    assert finish == "tool_calls" and content.strip() == choice.message.content
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", arguments)]
+    assert all(c["id"] for c in calls)
+    assert TOOLS["get_weather"]["required"] == sorted(arguments)
+
+
+def test_auto_without_a_call_is_plain_content(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=12,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content
+    assert choice.finish_reason in ("stop", "length")  # not "tool_calls"
+
+
+def test_reasoning_goes_to_reasoning_content(client):
+    """The Qwen3 format: <think>...</think> then the answer (here steered, on a prompt that closes no reasoning
+    block of its own, so the grammar applies from the first token)."""
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=60,
+        extra_body={
+            "structured_outputs": {"regex": r"<think>\n[a-z ,]{5,40}\n</think>\n\n[A-Z][a-z ]{2,30}\."},
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+    )
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    reasoning = message.model_extra["reasoning_content"]
+    assert reasoning and "<think>" not in reasoning and "</think>" not in reasoning
+    assert message.content and message.content[0].isupper() and message.content.endswith(".")
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed_reasoning = "".join(
+        (c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices
+    )
+    streamed_content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert (streamed_reasoning, streamed_content) == (reasoning, message.content)
+
+
+def test_structured_output_waits_for_the_end_of_reasoning(client, tools_server):
+    """Thinking enabled (the prompt leaves the model to open and close its reasoning): the schema does not apply
+    from the first token, so the 135M model, which never closes a think block, writes free text; with thinking
+    disabled in the template the same request gives JSON."""
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a city."}],
+        temperature=0,
+        max_tokens=24,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": TOOLS["get_weather"]}},
+    )
+    thinking = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert thinking and not thinking.startswith("{")  # free text: the grammar waits for </think>
+    answer = client.chat.completions.create(
+        **{**kwargs, "max_tokens": 80}, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    ).choices[0]
+    assert json.loads(answer.message.content)["unit"] in ("celsius", "fahrenheit")
+    assert answer.message.model_extra["reasoning_content"] is None
+
+
+def test_history_with_tool_calls_reaches_the_template(tools_server):
+    messages = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees, sunny"},
+    ]
+    tokens = httpx.post(f"{tools_server.base_url}/tokenize", json={"messages": messages}, timeout=60).json()["tokens"]
+    prompt = httpx.post(f"{tools_server.base_url}/detokenize", json={"tokens": tokens}, timeout=60).json()["prompt"]
+    # The arguments reach the template as an object, written once as JSON (not a JSON string encoded again).
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n18 degrees, sunny\n</tool_response>" in prompt
+    reply = httpx.post(
+        f"{tools_server.base_url}/v1/chat/completions",
+        json={"messages": messages, "tools": [WEATHER], "max_tokens": 8, "temperature": 0},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    bad = [
+        *messages[:1],
+        {
+            **messages[1],
+            "tool_calls": [{**messages[1]["tool_calls"][0], "function": {"name": "get_weather", "arguments": "{oops"}}],
+        },
+    ]
+    reply = httpx.post(f"{tools_server.base_url}/v1/chat/completions", json={"messages": bad}, timeout=60)
+    assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"]
