@@ -96,7 +96,11 @@ def test_json_object_mode(client):
         ),
         ({"structured_outputs": {"choice": ["Paris", "Rome", "Berlin"]}}, lambda t: t in ("Paris", "Rome", "Berlin")),
         (
-            {"structured_outputs": {"grammar": 'start: item (", " item)? (", " item)?\nitem: "red" | "green" | "blue"'}},
+            {
+                "structured_outputs": {
+                    "grammar": 'start: item (", " item)? (", " item)?\nitem: "red" | "green" | "blue"'
+                }
+            },
             lambda t: regex.fullmatch(r"(red|green|blue)(, (red|green|blue)){0,2}", t),
         ),
         (

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
