@@ -123,4 +123,4 @@ def _token_keys(bias: dict) -> dict[int, float]:
     try:
         return {int(str(token)): float(value) for token, value in bias.items()}
     except (AttributeError, TypeError, ValueError) as exc:
-        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}") from exc
+        raise ValueError(f"logit_bias must be a map of token ids to numbers, got {bias!r}") from exc

@@ -105,6 +105,8 @@ class LLMEngine:
         params = params or self.default_sampling_params()
         text, token_ids = self.tokenize_prompt(prompt)
         token_ids, multimodal = self._process_images(prompt, token_ids)
+        if params.bad_words:
+            params = params.clone(bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         self._validate(request_id, token_ids, params)
         grammar = self._grammar(params) if params.structured_outputs is not None else None
         reasoning_end = self._reasoning_end(text, token_ids) if grammar is not None else None
@@ -171,6 +173,26 @@ class LLMEngine:
         bad = next((t for t in params.stop_token_ids if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
+        for name, ids in (
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("bad_words", [t for sequence in params.bad_words_token_ids for t in sequence]),
+        ):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's token ids as it would appear in the output, at the start of a text and after a space."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words need the model's tokenizer, and this model has none")
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def _grammar(self, params: SamplingParams) -> str:
         """The request's compiled grammar (ValueError for a bad schema, regex or grammar, before it is queued)."""

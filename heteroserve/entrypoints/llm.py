@@ -158,8 +158,13 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation, then generates (image parts included)."""
+        """Applies the model's chat template to each conversation, then generates (image parts included).
+
+        As vLLM's: `continue_final_message` leaves the last message open for the model to go on (with
+        add_generation_prompt=False); `chat_template_kwargs` are more variables for the template."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
@@ -172,7 +177,9 @@ class LLM:
                 conversation,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 chat_template=chat_template,
+                **(chat_template_kwargs or {}),
             )
             prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
             if images:

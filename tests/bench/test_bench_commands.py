@@ -65,6 +65,26 @@ def test_throughput_with_hf_peer_over_two_rounds(tmp_path):
     assert png.read_bytes().startswith(PNG_MAGIC)
 
 
+def test_throughput_with_a_json_schema_per_request(tmp_path):
+    """The same batch plain and under grammars, alternating over two rounds: equal output lengths (the schema needs
+    more tokens than the output has), and the cost as the median of the rounds' throughput ratios."""
+    out = tmp_path / "s.json"
+    bench(
+        "throughput",
+        *("--num-requests", "3", "--input-len", "24", "--output-len", "6", "--rounds", "2"),
+        *("--structured", "json-schema", "--output-json", str(out)),
+        *SMALL,
+    )
+    result = json.loads(out.read_text())
+    plain, structured = result["heteroserve"], result["structured"]
+    assert structured["constraint"] == "json-schema"
+    assert plain["output_tokens"] == structured["output_tokens"] == 3 * 6
+    ratios = structured["rounds_throughput_vs_plain"]
+    assert len(ratios) == 2 and min(ratios) > 0
+    assert structured["throughput_vs_plain"] == pytest.approx(statistics.median(ratios))
+    assert len(structured["rounds_wall_s"]) == len(plain["rounds_wall_s"]) == 2
+
+
 def test_throughput_scenario_d_and_latency(tmp_path):
     out = tmp_path / "d.json"
     bench(
@@ -178,6 +198,7 @@ def test_serve_against_a_running_server(server, tmp_path):
         (["throughput", "--input-len", "200", *SMALL], "does not fit max_model_len=128"),
         (["throughput", "--peer", "nope", *SMALL], "unknown peer"),
         (["throughput", "--rounds", "0", *SMALL], "--rounds must be at least 1"),
+        (["throughput", "--structured", "json-schema", "--peer", "hf", "--input-len", "16", *SMALL], "without --peer"),
         (["latency", "--rounds", "0", *SMALL], "--rounds must be at least 1"),
         (["serve", "--base-url", "http://127.0.0.1:9", "--num-requests", "1", "--input-len", "8"], "cannot reach"),
         (["throughput", "--dataset", "/no/such/file.jsonl", "--input-len", "16", *SMALL], "neither workload"),

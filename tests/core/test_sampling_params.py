@@ -65,11 +65,23 @@ def test_top_k_minus_one_means_no_limit() -> None:
         ("logprobs", -1),
         ("logprobs", 1.5),
         ("prompt_logprobs", -1),
+        ("logit_bias", {5: 100.5}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {"five": 1.0}),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [3, -1]),
+        ("bad_words", [" "]),
+        ("bad_words", "word"),
     ],
 )
 def test_invalid_value_names_field_and_value(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"^{field} must be .*, got {re.escape(repr(value))}$"):
         SamplingParams(**{field: value})
+
+
+def test_logit_bias_keys_become_token_ids() -> None:
+    """OpenAI's JSON names the tokens by strings; the sampler indexes by integers."""
+    assert SamplingParams(logit_bias={"7": 2}).logit_bias == {7: 2.0}
 
 
 def test_min_tokens_above_max_tokens_is_rejected() -> None:
@@ -93,6 +105,9 @@ def test_min_tokens_above_max_tokens_is_rejected() -> None:
         {"max_tokens": 1},
         {"logprobs": 0, "prompt_logprobs": 0},
         {"n": 4, "seed": 0},
+        {"logit_bias": {3: -100.0, 4: 100.0}},
+        {"allowed_token_ids": [0]},
+        {"bad_words": ["x"]},
     ],
 )
 def test_boundary_values_are_accepted(kwargs: dict[str, object]) -> None:

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -52,6 +53,11 @@ class ChildServer:
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"server not ready after {timeout} s; see {self.log.name}")
+
+    def log_text(self) -> str:
+        """What the process has written to its log so far."""
+        self.log.flush()
+        return Path(self.log.name).read_text()
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a metric's samples in /metrics (those carrying all of `labels`)."""

@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import heteroserve
 from heteroserve import web
@@ -30,9 +31,10 @@ from heteroserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     now,
 )
-from heteroserve.entrypoints.openai.serving import ServerSettings
+from heteroserve.entrypoints.openai.serving import ServerSettings, check_fields
 from heteroserve.entrypoints.openai.serving_chat import ServingChat
 from heteroserve.entrypoints.openai.serving_completion import ServingCompletion
+from heteroserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from heteroserve.metrics.prometheus import ServerMetrics
 from heteroserve.multimodal.media import MediaPolicy
 from heteroserve.sampling_params import SamplingParams
@@ -83,8 +85,24 @@ def build_app(
         elif param and len({tuple(e.get("loc", ()))[:2] for e in errors}) == 1 and len(errors) > 1:
             message = f"{param}: none of the accepted forms matched ({message})"
         elif param:
-            message = f"{param}: {message}"
+            message = f"{'.'.join(location)}: {message}"  # the whole path: structured_outputs.json_schemas
         return APIError(400, message, param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        """Starlette's own refusals (no such route, a method the route lacks, an unreadable body) in OpenAI's shape."""
+        path = request.url.path
+        if exc.status_code == 404:
+            message = f"there is no route {path}"
+        elif exc.status_code == 405:
+            message = f"{path} does not accept {request.method} (it accepts {(exc.headers or {}).get('Allow', '')})"
+        elif isinstance(exc.__cause__, UnicodeDecodeError):
+            message = f"the request body is not UTF-8: {exc.__cause__}"
+        else:
+            message = str(exc.detail)
+        response = APIError(exc.status_code, message).response()
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.get("/", include_in_schema=False)
     async def chat_page():
@@ -111,19 +129,23 @@ def build_app(
     async def version():
         return {"version": heteroserve.__version__}
 
+    def model_card(name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "heteroserve",
+            "max_model_len": engine.engine.max_model_len,
+        }
+
     @app.get("/v1/models", responses=_API_ERRORS)
     async def models():
-        cards = [
-            {
-                "id": name,
-                "object": "model",
-                "created": now(),
-                "owned_by": "heteroserve",
-                "max_model_len": engine.engine.max_model_len,
-            }
-            for name in settings.served_model_names
-        ]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [model_card(name) for name in settings.served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}", responses=_API_ERRORS)
+    async def model(model_id: str):
+        completions.check_model(model_id)
+        return model_card(model_id)
 
     @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
     async def create_completion(body: CompletionRequest, request: Request):
@@ -140,10 +162,12 @@ def build_app(
     @app.post("/tokenize", responses=_API_ERRORS)
     async def tokenize(body: TokenizeRequest):
         completions.check_model(body.model)
+        check_fields(body)
         if chats.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
         if body.messages is not None:
-            chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+            options = {"add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs"}
+            chat = ChatCompletionRequest(messages=body.messages, **body.model_dump(include=options, exclude_unset=True))
             _, tokens, _ = await asyncio.to_thread(chats.render, chat)
         elif body.prompt is not None:
             tokens = chats.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -154,6 +178,7 @@ def build_app(
     @app.post("/detokenize", responses=_API_ERRORS)
     async def detokenize(body: DetokenizeRequest):
         completions.check_model(body.model)
+        check_fields(body)
         vocab = engine.engine.vocab_size
         if chats.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
@@ -217,6 +242,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", nargs="+", default=None, help="names clients use (default: the model)")
     group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     group.add_argument("--chat-template", default=None, help="a Jinja chat template (file path or inline)")
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": the model decides, and --tool-call-parser finds its calls in the output',
+    )
+    group.add_argument(
+        "--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS), help="the model's tool-call format"
+    )
     group.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins, e.g. '*'")
     group.add_argument("--max-waiting-requests", type=int, default=None, help="answer 429 beyond this many waiting")
     group.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is abandoned")
@@ -255,7 +288,17 @@ def run_server(args: argparse.Namespace) -> None:
         timeout_s=args.media_fetch_timeout,
         max_pixels=args.max_image_pixels,
     )
-    settings = ServerSettings(names, args.max_waiting_requests, args.request_timeout, chat_template, media)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
+    settings = ServerSettings(
+        names,
+        args.max_waiting_requests,
+        args.request_timeout,
+        chat_template,
+        media,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser,
+    )
     app = build_app(engine, settings, args.api_key, args.allowed_origins, args.enable_log_requests)
     server_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5

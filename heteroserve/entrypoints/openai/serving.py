@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from heteroserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from heteroserve.engine.llm_engine import PromptInput
 from heteroserve.entrypoints.openai.errors import APIError
+from heteroserve.entrypoints.openai.protocol import RequestBody, SamplingFields
 from heteroserve.metrics.prometheus import ServerMetrics
 from heteroserve.multimodal.media import MediaPolicy
 from heteroserve.outputs import RequestOutput
 from heteroserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -23,6 +27,8 @@ class ServerSettings:
     request_timeout: float | None = None
     chat_template: str | None = None
     media: MediaPolicy = field(default_factory=MediaPolicy)  # where chat images may come from
+    tool_call_parser: str | None = None  # set: tool_choice "auto" is enabled and parses this format
+    reasoning_parser: str | None = None  # set: <think> goes to reasoning_content
 
 
 class OpenAIServing:
@@ -41,6 +47,14 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.settings.served_model_names:
             raise APIError(404, f"The model `{model}` does not exist; this server serves {self.model_name!r}.", "model")
+
+    def check_request(self, request: SamplingFields) -> None:
+        """The body's undeclared fields (check_fields) and what completions and chat both refuse."""
+        check_fields(request)
+        if request.stream_options is not None and not request.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+        if request.prompt_logprobs is not None and request.stream:
+            raise APIError(400, "prompt_logprobs are not available with stream=true", "prompt_logprobs")
 
     def check_capacity(self) -> None:
         limit = self.settings.max_waiting_requests
@@ -106,6 +120,39 @@ class OpenAIServing:
 
     def record(self, output: RequestOutput, num_output_tokens: int, finish_reason: str | None) -> None:
         self.metrics.observe_finished(output.metrics, len(output.prompt_token_ids), num_output_tokens, finish_reason)
+
+
+def check_fields(body: RequestBody) -> None:
+    """A field of OpenAI's or vLLM's that heteroserve would not honour is a 400 naming it (unless its value asks for
+    nothing); fields neither defines are ignored, and the server log names them."""
+    unknown = []
+    for path, value, unhonoured in body.undeclared():
+        if unhonoured is None:
+            unknown.append(path)
+        elif not unhonoured.asks_nothing(value):
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise APIError(400, f"{path}={shown} is not supported: {unhonoured.why}", path)
+    if unknown:
+        logger.warning("ignoring request fields heteroserve does not know: %s", ", ".join(unknown))
+
+
+def prompt_logprobs_field(asked: int | None, output: RequestOutput) -> dict:
+    """vLLM's `prompt_logprobs` when asked for: per prompt token (None for the first, which has no context),
+    {token id: {logprob, rank, decoded_token}} for the prompt's token and the `asked` most likely ones."""
+    if asked is None:
+        return {}
+    entries = [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in entry.items()
+            if lp.rank <= asked or t == token_id  # echo may have asked the engine for more
+        }
+        for token_id, entry in zip(output.prompt_token_ids, output.prompt_logprobs or [], strict=False)
+    ]
+    return {"prompt_logprobs": entries}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

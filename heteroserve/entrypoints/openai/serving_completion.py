@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from heteroserve.engine.llm_engine import PromptInput
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.protocol import CompletionRequest, now, random_id
-from heteroserve.entrypoints.openai.serving import OpenAIServing, merge, sse, usage
-from heteroserve.outputs import CompletionOutput, RequestOutput
+from heteroserve.entrypoints.openai.serving import OpenAIServing, merge, prompt_logprobs_field, sse, usage
+from heteroserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 
 
 def _prompts(prompt: str | list) -> list[PromptInput]:
@@ -27,34 +27,35 @@ def _prompts(prompt: str | list) -> list[PromptInput]:
     return list(prompt)
 
 
-def completion_logprobs(output: CompletionOutput, text_offset: int, top: int, as_ids: bool = False) -> dict | None:
-    """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
-    if output.logprobs is None:
-        return None
-    tokens, values, tops, offsets = [], [], [], []
-    name = (lambda t, lp: f"token_id:{t}") if as_ids else (lambda t, lp: lp.decoded_token or "")
-    for token_id, entry in zip(output.token_ids, output.logprobs, strict=False):
-        chosen = entry[token_id]
-        text = chosen.decoded_token or ""
-        tokens.append(name(token_id, chosen))
-        values.append(chosen.logprob)
-        tops.append({name(t, lp): lp.logprob for t, lp in entry.items() if lp.rank <= top})
-        offsets.append(text_offset)
-        text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+def joined(first: dict | None, second: dict | None) -> dict | None:
+    """Two logprobs objects one after the other (the echoed prompt's, then the completion's)."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
 
 
 class ServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest) -> JSONResponse | StreamingResponse:
         self.check_model(request.model)
+        self.check_request(request)
+        if request.max_tokens == 0 and not request.echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo=true, to score the prompt)", "max_tokens")
         self.check_capacity()
         prompts = _prompts(request.prompt)
         request_id = random_id("cmpl")
+        # Echo with logprobs scores the prompt too: the engine computes its logprobs (as many as either asks for).
+        asked = [request.prompt_logprobs, request.logprobs if request.echo else None]
+        prompt_logprobs = max((k for k in asked if k is not None), default=None)
         prepared = []
         for prompt in prompts:
             text, ids = self._tokenize(prompt)
-            max_tokens = self.max_tokens_for(len(ids), request.max_tokens)
-            params = self.params(lambda m=max_tokens: request.sampling_params(m, self.defaults, request.logprobs))
+            if request.echo and text is None and self.tokenizer is not None:
+                text = self.tokenizer.decode(ids)  # a token-id prompt is echoed as text
+            # max_tokens 0 (echo only) still samples one token, which the answer leaves out, as vLLM does.
+            max_tokens = self.max_tokens_for(len(ids), 1 if request.max_tokens == 0 else request.max_tokens)
+            params = self.params(
+                lambda m=max_tokens: request.sampling_params(m, self.defaults, request.logprobs, prompt_logprobs)
+            )
             prepared.append(({"prompt": text, "prompt_token_ids": ids}, params))
         # All prompts enter the engine before any first token is awaited, so their prefills share steps.
         results = await asyncio.gather(
@@ -78,6 +79,65 @@ class ServingCompletion(OpenAIServing):
         except ValueError as exc:
             raise APIError(400, str(exc), "prompt") from exc
 
+    def _logprobs(
+        self, request: CompletionRequest, token_ids: list[int], entries: SampleLogprobs | PromptLogprobs, offset: int
+    ) -> dict:
+        """The legacy completions logprobs object (tokens, token_logprobs, top_logprobs, text_offset) of these
+        tokens, starting at character `offset` of the choice's text. top_logprobs holds the `logprobs` most likely
+        tokens and the token itself (OpenAI's up to logprobs + 1); an entry of None (a prompt's first token, which
+        has no context) gives null for both."""
+        top, as_ids = request.logprobs or 0, request.return_tokens_as_token_ids
+        tokens, values, tops, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, entries, strict=True):
+            chosen = entry[token_id] if entry is not None else None
+            text = self._decoded(token_id, chosen)
+            tokens.append(f"token_id:{token_id}" if as_ids else text)
+            values.append(chosen.logprob if chosen is not None else None)
+            if entry is None:
+                tops.append(None)
+            else:
+                ranked = [(t, lp) for t, lp in entry.items() if lp.rank <= top or t == token_id]
+                tops.append({f"token_id:{t}" if as_ids else self._decoded(t, lp): lp.logprob for t, lp in ranked})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _decoded(self, token_id: int, logprob: Logprob | None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+
+    def _echo(self, request: CompletionRequest, output: RequestOutput) -> tuple[str, dict | None]:
+        """What a choice starts with under echo: the prompt's text and, with logprobs, the prompt's logprobs."""
+        if not request.echo:
+            return "", None
+        text = output.prompt or ""
+        if request.logprobs is None:
+            return text, None
+        return text, self._logprobs(request, output.prompt_token_ids, output.prompt_logprobs, 0)
+
+    def _choice(
+        self, request: CompletionRequest, index: int, output: RequestOutput, completion: CompletionOutput
+    ) -> dict:
+        """One choice of a JSON answer: the echo, then the completion (none when max_tokens is 0)."""
+        text, logprobs = self._echo(request, output)
+        finish_reason, stop_reason = "length", None
+        if request.max_tokens != 0:
+            if completion.logprobs is not None:
+                logprobs = joined(
+                    logprobs, self._logprobs(request, completion.token_ids, completion.logprobs, len(text))
+                )
+            text += completion.text
+            finish_reason, stop_reason = completion.finish_reason, completion.stop_reason
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+            **prompt_logprobs_field(request.prompt_logprobs, output),
+        }
+
     async def _full(self, request: CompletionRequest, request_id: str, started) -> dict:
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, (first, stream) in enumerate(started):
@@ -85,21 +145,11 @@ class ServingCompletion(OpenAIServing):
             async for output in self.rest(first, stream):
                 final = output
             prompt_tokens += len(final.prompt_token_ids)
-            prefix = final.prompt or "" if request.echo else ""
             for completion in final.outputs:
-                completion_tokens += len(completion.token_ids)
                 self.record(final, len(completion.token_ids), completion.finish_reason)
-                choices.append(
-                    {
-                        "index": i * request.n + completion.index,
-                        "text": prefix + completion.text,
-                        "logprobs": completion_logprobs(
-                            completion, len(prefix), request.logprobs or 0, request.return_tokens_as_token_ids
-                        ),
-                        "finish_reason": completion.finish_reason,
-                        "stop_reason": completion.stop_reason,
-                    }
-                )
+                if request.max_tokens != 0:
+                    completion_tokens += len(completion.token_ids)
+                choices.append(self._choice(request, i * request.n + completion.index, final, completion))
         choices.sort(key=lambda c: c["index"])
         totals = usage(prompt_tokens, completion_tokens)
         return {
@@ -123,6 +173,7 @@ class ServingCompletion(OpenAIServing):
 
         chunk = functools.partial(self.stream_chunk, request_id, "text_completion", created)
 
+        echo_only = request.max_tokens == 0
         try:
             echoed: set[int] = set()
             async for i, output in merge([tagged(i, f, s) for i, (f, s) in enumerate(started)]):
@@ -130,41 +181,37 @@ class ServingCompletion(OpenAIServing):
                     echoed.add(i)
                     prompt_tokens += len(output.prompt_token_ids)
                     if request.echo:
+                        text, logprobs = self._echo(request, output)
                         for k in range(request.n):
-                            offsets[i * request.n + k] = len(output.prompt or "")
-                            yield chunk(
-                                [
-                                    {
-                                        "index": i * request.n + k,
-                                        "text": output.prompt or "",
-                                        "logprobs": None,
-                                        "finish_reason": None,
-                                    }
-                                ]
-                            )
+                            offsets[i * request.n + k] = len(text)
+                            choice = {"index": i * request.n + k, "text": text, "logprobs": logprobs}
+                            yield chunk([{**choice, "finish_reason": "length" if echo_only else None}])
                 for completion in output.outputs:
                     index = i * request.n + completion.index
                     counts[index] = counts.get(index, 0) + len(completion.token_ids)
-                    logprobs = completion_logprobs(
-                        completion, offsets.get(index, 0), request.logprobs or 0, request.return_tokens_as_token_ids
-                    )
-                    offsets[index] = offsets.get(index, 0) + len(completion.text)
                     if completion.finish_reason is not None:
                         self.record(output, counts[index], completion.finish_reason)
-                    if completion.text or completion.token_ids or completion.finish_reason:
-                        yield chunk(
-                            [
-                                {
-                                    "index": index,
-                                    "text": completion.text,
-                                    "logprobs": logprobs,
-                                    "finish_reason": completion.finish_reason,
-                                    "stop_reason": completion.stop_reason,
-                                }
-                            ]
+                    if echo_only or not (completion.text or completion.token_ids or completion.finish_reason):
+                        continue
+                    logprobs = None
+                    if completion.logprobs is not None:
+                        logprobs = self._logprobs(
+                            request, completion.token_ids, completion.logprobs, offsets.get(index, 0)
                         )
+                    offsets[index] = offsets.get(index, 0) + len(completion.text)
+                    yield chunk(
+                        [
+                            {
+                                "index": index,
+                                "text": completion.text,
+                                "logprobs": logprobs,
+                                "finish_reason": completion.finish_reason,
+                                "stop_reason": completion.stop_reason,
+                            }
+                        ]
+                    )
             if request.stream_options and request.stream_options.include_usage:
-                generated = sum(counts.values())
+                generated = 0 if echo_only else sum(counts.values())
                 yield chunk([], usage(prompt_tokens, generated))
         except APIError as exc:
             yield sse(exc.body())

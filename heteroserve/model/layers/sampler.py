@@ -1,7 +1,9 @@
-"""Turns float32 logits into next tokens: penalties, temperature, top-k/top-p/min-p, seeded draws.
+"""Turns float32 logits into next tokens: logit_bias, allowed and banned tokens, penalties, temperature,
+top-k/top-p/min-p, seeded draws.
 
 Each request draws from its own `torch.Generator`, so a seeded request gives the same tokens whatever
-else shares its batch. Logprobs are those of the raw model output (before penalties and temperature).
+else shares its batch. Logprobs are those of the raw model output (before any of the rules above), vLLM's
+default.
 """
 
 from __future__ import annotations
@@ -51,6 +53,42 @@ def logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list
     ]
 
 
+def apply_token_rules(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Adds each row's logit_bias, and sets to -inf the tokens outside its allowed_token_ids and the last token
+    of a bad word whose other tokens end its output (a copy; untouched when no row has such rules)."""
+    bias: list[tuple[int, int, float]] = []  # (row, token, bias)
+    allowed: list[tuple[int, int]] = []  # (row, token)
+    banned: list[tuple[int, int]] = []  # (row, token)
+    for i, row in enumerate(rows):
+        p = row.params
+        bias.extend((i, token, value) for token, value in (p.logit_bias or {}).items())
+        allowed.extend((i, token) for token in p.allowed_token_ids or ())
+        if p.bad_words_token_ids:
+            output = row.token_ids[row.num_prompt_tokens :]
+            for *prefix, last in p.bad_words_token_ids:
+                if len(output) >= len(prefix) and output[len(output) - len(prefix) :] == prefix:
+                    banned.append((i, last))
+    if not (bias or allowed or banned):
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    if bias:
+        row_index, token_index, values = zip(*bias, strict=True)
+        index = (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device))
+        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+    if allowed:
+        restricted = sorted({i for i, _ in allowed})
+        position = {i: k for k, i in enumerate(restricted)}
+        keep = torch.zeros(len(restricted), logits.shape[-1], dtype=torch.bool, device=device)
+        keep[[position[i] for i, _ in allowed], [token for _, token in allowed]] = True
+        index = torch.tensor(restricted, device=device)
+        logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+    if banned:
+        row_index, token_index = zip(*banned, strict=True)
+        logits[list(row_index), list(token_index)] = float("-inf")
+    return logits
+
+
 class Sampler:
     def __init__(self, argmax_rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.argmax_rows = argmax_rows  # the platform's operator: greedy rows are a reduction over the vocabulary
@@ -59,6 +97,7 @@ class Sampler:
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = apply_token_rules(logits, rows)
         logits = apply_token_bitmasks(logits, rows)
         logits = self._apply_penalties(logits, rows)
         tokens = self.argmax_rows(logits)
