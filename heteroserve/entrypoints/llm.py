@@ -59,10 +59,12 @@ class LLM:
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
         speculative_config: dict | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         """limit_mm_per_prompt={"image": N}, mm_processor_kwargs={"min_pixels": ..., "max_pixels": ...} and
         speculative_config={"method": "ngram", "num_speculative_tokens": k} as in vLLM; chat() reads local image
-        files only under allowed_local_media_path."""
+        files only under allowed_local_media_path; with reasoning_parser ("qwen3", "deepseek_r1") structured
+        outputs apply after the model's </think>."""
         pixels = mm_processor_kwargs or {}
         config = EngineConfig(
             model=ModelConfig(model, dtype, max_model_len, seed, quantization, generation_config=generation_config),
@@ -90,6 +92,7 @@ class LLM:
                 master_port=master_port,
             ),
             speculative=SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None,
+            reasoning_parser=reasoning_parser,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
@@ -160,11 +163,13 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates (image parts included).
 
         As vLLM's: `continue_final_message` leaves the last message open for the model to go on (with
-        add_generation_prompt=False); `chat_template_kwargs` are more variables for the template."""
+        add_generation_prompt=False); `chat_template_kwargs` are more variables for the template; `tools` (OpenAI's
+        function definitions) go to the template, and the output text is the model's, tool calls unparsed."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
@@ -179,6 +184,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
+                tools=tools,
                 **(chat_template_kwargs or {}),
             )
             prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from heteroserve import LLM, SamplingParams
 from heteroserve.core.request import RequestStatus
 from heteroserve.sampling_params import RequestOutputKind
+from tests.entrypoints.test_structured_server import WEATHER
 
 
 def test_prompt_forms_and_order(default_llm, default_tokenizer):
@@ -128,3 +131,20 @@ def test_priority_order():
     assert outputs["low2"].metrics.num_preemptions == 1
     assert outputs["low2"].outputs[0].token_ids == alone.outputs[0].token_ids
     assert RequestStatus.FINISHED_ABORTED.finish_reason == "abort"
+
+
+def test_chat_passes_tools_to_the_template(default_llm, default_tokenizer):
+    """The tools reach the template as transformers' apply_chat_template gives them to it."""
+    template = (Path(__file__).parent / "templates" / "chatml_tools.jinja").read_text()
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    out = default_llm.chat(messages, params, use_tqdm=False, chat_template=template, tools=[WEATHER])[0]
+    expected = default_tokenizer.apply_chat_template(
+        messages, tools=[WEATHER], chat_template=template, tokenize=False, add_generation_prompt=True
+    )
+    assert out.prompt == expected and '"name": "get_weather"' in out.prompt
+
+
+def test_unknown_reasoning_parser_is_refused():
+    with pytest.raises(ValueError, match="unknown reasoning parser 'nope'; known: deepseek_r1, qwen3"):
+        LLM(reasoning_parser="nope")
