@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from heteroserve.config import SchedulerConfig
@@ -27,8 +28,6 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens (drafts included)
     block_ids: list[int]
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens after the known ones
-    # Structured outputs: the tokens the grammar allows next (an int32 bitmask row the engine fills), or None.
-    token_bitmask: Sequence[int] | None = None
 
     @property
     def start(self) -> int:
@@ -56,6 +55,12 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # Structured outputs: request id -> the int32 bitmask row of the tokens its grammar allows next. The engine
+    # computes it while the model runs; the sampler waits for it.
+    token_bitmasks: Future[dict[str, Sequence[int]]] | None = None
+
+    def bitmask_of(self, request_id: str) -> Sequence[int] | None:
+        return self.token_bitmasks.result().get(request_id) if self.token_bitmasks is not None else None
 
     @property
     def num_tokens(self) -> int:

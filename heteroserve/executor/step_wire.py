@@ -9,6 +9,7 @@ would cost every step time proportional to every running request's length.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from heteroserve.core.request import Request
@@ -26,13 +27,14 @@ class ScheduledDelta:
     prompt_token_ids: list[int] | None = None  # the first time only
     sampling_params: SamplingParams | None = None  # the first time only
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens to check this step
-    token_bitmask: Sequence[int] | None = None  # the grammar's allowed next tokens (structured outputs)
 
 
 @dataclass
 class WireStep:
     scheduled: list[ScheduledDelta]
     released: list[str] = field(default_factory=list)  # finished since the last step: forget them
+    # Structured outputs: request id -> its grammar's bitmask row (the engine waits for them before sending).
+    token_bitmasks: dict[str, Sequence[int]] = field(default_factory=dict)
 
 
 class StepEncoder:
@@ -58,11 +60,11 @@ class StepEncoder:
                 request.prompt_token_ids if first else None,
                 request.sampling_params if first else None,
                 item.draft_token_ids,
-                item.token_bitmask,
             )
             self._sent[request.request_id] = request.num_tokens
             deltas.append(delta)
-        return WireStep(deltas, released)
+        masks = output.token_bitmasks.result() if output.token_bitmasks is not None else {}
+        return WireStep(deltas, released, masks)
 
 
 class StepDecoder:
@@ -82,9 +84,9 @@ class StepDecoder:
             request = self._requests[delta.request_id]
             request.token_ids.extend(delta.new_token_ids)
             request.num_computed_tokens = delta.num_computed_tokens
-            scheduled.append(
-                ScheduledRequest(
-                    request, delta.num_new_tokens, delta.block_ids, delta.draft_token_ids, delta.token_bitmask
-                )
-            )
-        return SchedulerOutput(scheduled), step.released
+            scheduled.append(ScheduledRequest(request, delta.num_new_tokens, delta.block_ids, delta.draft_token_ids))
+        masks = None
+        if step.token_bitmasks:
+            masks = Future()
+            masks.set_result(step.token_bitmasks)
+        return SchedulerOutput(scheduled, token_bitmasks=masks), step.released

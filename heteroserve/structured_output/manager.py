@@ -11,6 +11,7 @@ output contains the end marker (`</think>`); the grammar applies to what follows
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import llguidance
@@ -35,6 +36,8 @@ class StructuredOutputManager:
         self.compiler = compiler
         self._requests: dict[str, _Constrained] = {}
         self._width = llguidance.numpy.get_bitmask_shape(1, compiler.tokenizer.vocab_size)[1]
+        # Masks of a step are computed on every core, outside the GIL: ~0.2 ms each for a JSON string's wide mask.
+        self._executor = llguidance.LLExecutor(num_threads=len(os.sched_getaffinity(0)))
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -55,8 +58,9 @@ class StructuredOutputManager:
         if not active:
             return {}
         masks = np.empty((len(active), self._width), dtype=np.int32)
-        for row, (_, matcher) in enumerate(active):
-            llguidance.numpy.fill_next_token_bitmask(matcher, masks, row)
+        llguidance.numpy.fill_next_token_bitmask_par(
+            self._executor, [(matcher, row) for row, (_, matcher) in enumerate(active)], masks
+        )
         return {rid: masks[row] for row, (rid, _) in enumerate(active)}
 
     def advance(self, request_id: str, token_ids: list[int]) -> None:

@@ -114,9 +114,11 @@ class ModelRunner:
         hidden = self.model(ids, pos, kv, meta, injected)
         if not self.model.parallel.is_last_stage:  # the next pipeline stage carries on
             return {}
-        return self._sample(items, hidden)
+        return self._sample(items, hidden, output)
 
-    def _sample(self, items: list[ScheduledRequest], hidden: torch.Tensor) -> dict[str, StepResult]:
+    def _sample(
+        self, items: list[ScheduledRequest], hidden: torch.Tensor, output: SchedulerOutput
+    ) -> dict[str, StepResult]:
         rows: list[int] = []  # hidden rows that go through the LM head
         sample_rows: list[tuple[ScheduledRequest, int, int]] = []  # (item, row, drafts before it)
         prompt_rows: list[tuple[ScheduledRequest, int, int]] = []  # (item, first row, count)
@@ -144,7 +146,7 @@ class ModelRunner:
             sampled = (
                 logits[torch.tensor([r for _, r, _ in sample_rows], device=self.device)] if prompt_rows else logits
             )
-            sampling = [self._sampling_row(item, j) for item, _, j in sample_rows]
+            sampling = [self._sampling_row(item, j, output) for item, _, j in sample_rows]
             tokens, logprobs = self.sampler(sampled, sampling)
             for (item, _, j), token, entry in zip(sample_rows, tokens, logprobs, strict=True):
                 result = results[item.request.request_id]
@@ -160,7 +162,7 @@ class ModelRunner:
             )
         return results
 
-    def _sampling_row(self, item: ScheduledRequest, drafts_before: int) -> SamplingRow:
+    def _sampling_row(self, item: ScheduledRequest, drafts_before: int, output: SchedulerOutput) -> SamplingRow:
         """The sampler's view of the request at the row after its known tokens and `drafts_before` drafts
         (penalties and min_tokens see the drafts as if they had been sampled)."""
         request = item.request
@@ -174,7 +176,7 @@ class ModelRunner:
                 self._generators[request.request_id] = generator
         stop_ids = params.stop_token_ids + ([] if params.ignore_eos else self.stop_ids)
         token_ids = request.token_ids + item.draft_token_ids[:drafts_before] if drafts_before else request.token_ids
-        bitmask = None
-        if item.token_bitmask is not None:  # requests under a grammar take no drafts, so this is row 0
-            bitmask = torch.as_tensor(item.token_bitmask, dtype=torch.int32)
+        bitmask = output.bitmask_of(request.request_id)  # requests under a grammar take no drafts: row 0
+        if bitmask is not None:
+            bitmask = torch.as_tensor(bitmask, dtype=torch.int32)
         return SamplingRow(params, token_ids, request.num_prompt_tokens, stop_ids, generator, bitmask)

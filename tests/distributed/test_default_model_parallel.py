@@ -3,14 +3,24 @@ uneven shares (1 KV head + 3 query heads, and 2 + 6), 3 ranks (the 4-bit test) o
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 
 from heteroserve import LLM, SamplingParams
+from heteroserve.structured_output import StructuredOutputsParams
 from tests.reference import NEAR_TIE
 
 MAX_TOKENS = 12
 PROMPTS = ["The capital of France is", "def quicksort(arr):\n", "1, 1, 2, 3, 5, 8, 13,"]
 ENGINE = {"max_model_len": 256, "kv_cache_memory_bytes": 16 * 1024**2}
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer", "minimum": 0}},
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
 
 
 def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS, logprobs: int | None = None):
@@ -32,8 +42,12 @@ def test_tensor_parallel_2_float_matches_transformers(speculative, hf_default, p
         outputs = _greedy(llm, prompt_ids, max_tokens)
         if speculative is not None:
             assert llm.engine.scheduler.num_accepted_tokens > 0
+        # The grammar's masks travel to the workers with the step (the sampling rank applies them).
+        structured = SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=CITY))
+        city = llm.generate([{"prompt_token_ids": prompt_ids[0]}], structured, use_tqdm=False)[0].outputs[0]
     finally:
         llm.shutdown()
+    jsonschema.validate(json.loads(city.text), CITY)
     for i, (output, prompt) in enumerate(zip(outputs, prompt_ids, strict=True)):
         reference = hf_default.greedy(prompt, max_tokens)
         label = f"default tp=2{' ngram' if speculative else ''} [{i}]"

@@ -61,7 +61,7 @@ def test_masked_logits_equal_the_unmasked_ones_on_allowed_tokens(compiler, defau
     manager.advance("regex", default_tokenizer.encode("19", add_special_tokens=False))
     masks = manager.bitmasks(["json", "regex"])
     logits = torch.randn(4, vocab + 64)  # a model vocabulary wider than the tokenizer's
-    out = apply_token_bitmasks(logits, [row(masks["json"]), row(None), row(masks["regex"]), row(None)])
+    out = apply_token_bitmasks(logits.clone(), [row(masks["json"]), row(None), row(masks["regex"]), row(None)])
     for i, name in ((0, "json"), (2, "regex")):
         allowed = allowed_ids(masks[name], vocab)
         assert 0 < len(allowed) < vocab
