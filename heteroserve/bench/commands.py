@@ -9,6 +9,7 @@ from pathlib import Path
 from heteroserve.bench.harness import PEERS
 from heteroserve.bench.latency_command import run_latency_bench
 from heteroserve.bench.serve_command import run_serve_bench
+from heteroserve.bench.soak import run_soak_command
 from heteroserve.bench.throughput_command import run_throughput_bench
 from heteroserve.bench.vision import add_vision_parser
 from heteroserve.entrypoints.engine_args import add_engine_args
@@ -18,6 +19,18 @@ def add_bench_parser(commands) -> None:
     bench = commands.add_parser("bench", help="benchmark heteroserve against peers on the shared workload")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     add_vision_parser(kinds)
+    soak = kinds.add_parser(
+        "soak",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="the gateway and several servers under mixed traffic and injected faults: what was lost",
+    )
+    soak.add_argument("model", nargs="?", default=None, help="served by every back end (default: the embedded one)")
+    soak.add_argument("--duration", type=float, default=600, help="seconds of traffic")
+    soak.add_argument("--servers", type=int, default=2, help="back ends behind the gateway")
+    soak.add_argument("--concurrency", type=int, default=6, help="clients sending at once")
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--output-json", type=Path, default=None)
+    soak.set_defaults(handler=run_soak_command)
     for name, handler in (
         ("throughput", run_throughput_bench),
         ("latency", run_latency_bench),

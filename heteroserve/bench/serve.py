@@ -126,11 +126,20 @@ class OwnServer:
     a 128-token prefill took 40 ms longer (OpenMP workers wake up for every operator)."""
 
     def __init__(
-        self, model: str | None, flags: list[str], startup_timeout: float = 300, command: list[str] | None = None
+        self,
+        model: str | None,
+        flags: list[str],
+        startup_timeout: float = 300,
+        command: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
     ) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        """`env`: variables added to this process's; `port`: a given one (a restart) rather than a free one."""
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
         command = command or ["heteroserve.entrypoints.openai.api_server", "--uvicorn-log-level", "warning"]
         argv = [sys.executable, "-m", *command, "--host", "127.0.0.1", "--port", str(self.port), *flags]
@@ -138,7 +147,7 @@ class OwnServer:
             argv += ["--model", model]
         self.process = subprocess.Popen(
             argv,
-            env=os.environ.copy(),
+            env={**os.environ, **(env or {})},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
