@@ -39,11 +39,16 @@ class _Add:
     priority: int
     accepted: asyncio.Future
     outputs: asyncio.Queue
+    on_running: Callable[[], None] | None
 
 
 @dataclass
 class _Abort:
+    """Aborts the request only while `outputs` is still its stream: a refused request (an id already in use)
+    must not abort the other request that holds its id."""
+
     request_id: str
+    outputs: asyncio.Queue
 
 
 class AsyncLLMEngine:
@@ -54,6 +59,7 @@ class AsyncLLMEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._unstarted: dict[str, tuple[asyncio.AbstractEventLoop, Callable[[], None]]] = {}  # told when running
         self._stopping = False
         self.dead_error: BaseException | None = None
         self.num_steps = 0
@@ -80,20 +86,27 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     async def generate(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        priority: int = 0,
+        on_running: Callable[[], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queues a request and yields its outputs; a bad request raises ValueError before the first yield.
 
-        Closing the iterator early (a client that went away) aborts the request and frees its blocks.
+        Leaving early, however it happens (the iterator closed or cancelled while the engine is still to accept
+        the request, or at any later point), aborts the request and frees its blocks. `on_running` is called on
+        this event loop once the engine first schedules the request (`LLMEngine.is_waiting` turns false).
         """
         if not self.is_alive:
             raise EngineDeadError(f"the engine loop is not running: {self.dead_error!r}")
         loop = asyncio.get_running_loop()
         accepted, outputs = loop.create_future(), asyncio.Queue()
-        self._send(_Add(request_id, prompt, params, priority, accepted, outputs))
-        await accepted  # raises the engine's ValueError for bad input
+        self._send(_Add(request_id, prompt, params, priority, accepted, outputs, on_running))
         finished = False
         try:
+            await accepted  # raises the engine's ValueError for bad input
             while not finished:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
@@ -101,11 +114,8 @@ class AsyncLLMEngine:
                 finished = item.finished
                 yield item
         finally:
-            if not finished:
-                self.abort(request_id)
-
-    def abort(self, request_id: str) -> None:
-        self._send(_Abort(request_id))
+            if not finished:  # queued after the _Add, so the engine thread sees the request before its abort
+                self._send(_Abort(request_id, outputs))
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -137,6 +147,8 @@ class AsyncLLMEngine:
                 outputs = self.engine.step()
                 self.num_steps += 1
                 self._deliver_step(outputs)
+                if self._unstarted:
+                    self._announce_running()
         except BaseException as exc:  # noqa: BLE001 - any failure must reach every waiting client
             logger.exception("engine loop failed")
             self.dead_error = exc
@@ -152,7 +164,10 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if isinstance(message, _Abort):
-                self.engine.abort_request(message.request_id)
+                stream = self._streams.get(message.request_id)
+                if stream is not None and stream[1] is message.outputs:
+                    self.engine.abort_request(message.request_id)
+                    self._unstarted.pop(message.request_id, None)
                 continue
             loop = message.accepted.get_loop()
             try:
@@ -161,7 +176,16 @@ class AsyncLLMEngine:
                 loop.call_soon_threadsafe(_settle, message.accepted, exc)
                 continue
             self._streams[message.request_id] = (loop, message.outputs)
+            if message.on_running is not None:
+                self._unstarted[message.request_id] = (loop, message.on_running)
             loop.call_soon_threadsafe(_settle, message.accepted, None)
+
+    def _announce_running(self) -> None:
+        """Calls `on_running` of each request the last step scheduled for the first time (or finished). Only
+        requests that asked are looked at, so a server without a waiting limit pays nothing here."""
+        for request_id in [r for r in self._unstarted if not self.engine.is_waiting(r)]:
+            loop, on_running = self._unstarted.pop(request_id)
+            loop.call_soon_threadsafe(on_running)
 
     def _fail_inbox(self, error: BaseException) -> None:
         while True:

@@ -103,7 +103,10 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> None:
-        """Validates and queues a request; a bad request raises ValueError and leaves the others untouched."""
+        """Validates and queues a request; a bad request raises ValueError and leaves the others untouched.
+
+        Every check, each n > 1 sample's included, runs before anything is queued, so a refused request leaves
+        no part of itself behind to run."""
         params = params or self.default_sampling_params()
         text, token_ids = self.tokenize_prompt(prompt)
         token_ids, multimodal = self._process_images(prompt, token_ids)
@@ -117,31 +120,43 @@ class LLMEngine:
         arrival = arrival_time or time.time()
         images = {"multimodal": multimodal, "image_placeholders": multimodal.placeholders} if multimodal else {}
         if params.n == 1:
-            self._add(Request(request_id, token_ids, params, self.eos_token_id, priority, arrival, **images), text)
+            requests = [Request(request_id, token_ids, params, self.eos_token_id, priority, arrival, **images)]
+            parent = None
+        else:
+            requests = self._samples(request_id, token_ids, params, priority, arrival, images)
+            parent = ParentRequest(request_id, params.n)
+        for i, request in enumerate(requests):
+            self._add(request, text, i, parent)
             if grammar is not None:
-                self._structured.add(request_id, grammar, reasoning_end)
-            return
-        parent = ParentRequest(request_id, params.n)
-        leader = None
-        child_ids = []
+                self._structured.add(request.request_id, grammar, reasoning_end)
+        if parent is not None:
+            self._children[request_id] = [r.request_id for r in requests]
+
+    def _samples(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        arrival: float,
+        images: dict[str, object],
+    ) -> list[Request]:
+        """The n engine requests of an n > 1 request: sample i uses seed + i, and the later ones wait for the
+        first one's prompt blocks. All are built (and checked) before the caller queues any."""
+        samples: list[Request] = []
         for i in range(params.n):
+            sample_id = f"{i}_{request_id}"
+            if sample_id in self.scheduler.requests or sample_id in self._children:
+                raise ValueError(f"request id {sample_id!r} (sample {i} of {request_id!r}) is already in use")
             seed = None if params.seed is None else params.seed + i
-            child = Request(
-                f"{i}_{request_id}",
-                token_ids,
-                params.clone(n=1, seed=seed),
-                self.eos_token_id,
-                priority,
-                arrival,
-                **images,
-            )
-            child.prefix_leader = leader
-            leader = leader or child
-            self._add(child, text, i, parent)
-            if grammar is not None:
-                self._structured.add(child.request_id, grammar, reasoning_end)
-            child_ids.append(child.request_id)
-        self._children[request_id] = child_ids
+            try:
+                sample_params = params.clone(n=1, seed=seed)
+            except ValueError as exc:
+                raise ValueError(f"n={params.n}: sample {i} (which uses seed + {i}) is invalid: {exc}") from exc
+            sample = Request(sample_id, token_ids, sample_params, self.eos_token_id, priority, arrival, **images)
+            sample.prefix_leader = samples[0] if samples else None
+            samples.append(sample)
+        return samples
 
     def _process_images(self, prompt: PromptInput, token_ids: list[int]) -> tuple[list[int], MultimodalInputs | None]:
         """Expands image placeholders for `{"multi_modal_data": {"image": ...}}` prompts (ImageError if bad)."""
@@ -231,6 +246,13 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    def is_waiting(self, request_id: str) -> bool:
+        """Whether a queued request has yet to be scheduled at all (for n > 1: none of its samples has been; a
+        sample that is gone has finished, so it ran). A preempted request has run, so it is not waiting in this
+        sense; an unknown or finished one is not either."""
+        requests = [self.scheduler.requests.get(i) for i in self._children.get(request_id, [request_id])]
+        return all(r is not None and r.first_scheduled_time is None for r in requests)
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []

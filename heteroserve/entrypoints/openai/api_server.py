@@ -31,7 +31,7 @@ from heteroserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     now,
 )
-from heteroserve.entrypoints.openai.serving import ServerSettings, check_fields
+from heteroserve.entrypoints.openai.serving import Admission, ServerSettings, check_fields
 from heteroserve.entrypoints.openai.serving_chat import ServingChat
 from heteroserve.entrypoints.openai.serving_completion import ServingCompletion
 from heteroserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -63,8 +63,9 @@ def build_app(
     app.state.server = state
     app.state.engine = engine
     metrics = ServerMetrics(engine.engine, settings.served_model_names[0])
-    completions = ServingCompletion(engine, settings, metrics)
-    chats = ServingChat(engine, settings, metrics)
+    admission = Admission(settings.max_waiting_requests)  # one count for both routes
+    completions = ServingCompletion(engine, settings, metrics, admission)
+    chats = ServingChat(engine, settings, metrics, admission)
     app.add_middleware(Gate, engine=engine, state=state, api_key=api_key)
     if allowed_origins:  # outermost, so a browser's preflight is answered before the key is asked for
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])

@@ -31,11 +31,54 @@ class ServerSettings:
     reasoning_parser: str | None = None  # set: <think> goes to reasoning_content
 
 
+class Admission:
+    """--max-waiting-requests: counts the requests this server has admitted that are not running yet.
+
+    Counted here, on the event loop, rather than read from the scheduler: a burst arrives before the engine thread
+    has queued any of it, so the scheduler's count lags behind what was admitted. Checking and counting are one
+    synchronous call on the event loop, so no two requests can take the last place. A request stops waiting when
+    the engine first schedules it (the engine thread says so through `AsyncLLMEngine.generate`'s on_running) or
+    when its handler ends (it finished, was refused, or its client left), whichever comes first. A preempted
+    request was admitted long ago and is not counted again.
+    """
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.waiting = 0
+
+    def admit(self) -> WaitingPlace | None:
+        """The request's place in the count (None without a limit), or a 429 when the places are taken."""
+        if self.limit is None:
+            return None
+        if self.waiting >= self.limit:
+            raise APIError(429, f"too many requests waiting (limit {self.limit}); retry later")
+        place = WaitingPlace(self)
+        asyncio.current_task().add_done_callback(lambda _: place.leave())
+        return place
+
+
+class WaitingPlace:
+    """One admitted request in `Admission`'s count; left once, by whichever way of leaving comes first."""
+
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
+        self.left = False
+        admission.waiting += 1
+
+    def leave(self) -> None:
+        if not self.left:
+            self.left = True
+            self.admission.waiting -= 1
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, engine: AsyncLLMEngine, settings: ServerSettings, metrics: ServerMetrics, admission: Admission
+    ) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
+        self.admission = admission
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.defaults = engine.engine.sampling_defaults
@@ -56,10 +99,9 @@ class OpenAIServing:
         if request.prompt_logprobs is not None and request.stream:
             raise APIError(400, "prompt_logprobs are not available with stream=true", "prompt_logprobs")
 
-    def check_capacity(self) -> None:
-        limit = self.settings.max_waiting_requests
-        if limit is not None and self.engine.engine.stats().num_waiting >= limit:
-            raise APIError(429, f"too many requests waiting (limit {limit}); retry later")
+    def check_capacity(self) -> WaitingPlace | None:
+        """Admits the request or answers 429 (--max-waiting-requests); hand the place to `start`."""
+        return self.admission.admit()
 
     def max_tokens_for(self, prompt_len: int, requested: int | None) -> int:
         if prompt_len > self.max_model_len:
@@ -79,10 +121,11 @@ class OpenAIServing:
             raise APIError(400, str(exc)) from exc
 
     async def start(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int
+        self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int, place: WaitingPlace | None
     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
-        """Starts one engine request and waits for its first output, so bad input fails before any byte is sent."""
-        stream = self.engine.generate(request_id, prompt, params, priority)
+        """Starts one engine request and waits for its first output, so bad input fails before any byte is sent.
+        The request leaves its waiting `place` once the engine runs it."""
+        stream = self.engine.generate(request_id, prompt, params, priority, place.leave if place else None)
         try:
             first = await self._next(stream)
         except ValueError as exc:

@@ -175,7 +175,7 @@ class ServingChat(OpenAIServing):
         self.check_request(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        self.check_capacity()
+        place = self.check_capacity()
         tool_output, forced = self._tool_output(request)
         text, ids, images = await asyncio.to_thread(self.render, request)
         max_tokens = self.max_tokens_for(len(ids), request.max_completion_tokens or request.max_tokens)
@@ -197,7 +197,7 @@ class ServingChat(OpenAIServing):
         prompt = {"prompt": text, "prompt_token_ids": ids}
         if images:
             prompt["multi_modal_data"] = {"image": images}
-        first, stream = await self.start(request_id, prompt, params, request.priority)
+        first, stream = await self.start(request_id, prompt, params, request.priority, place)
         choices = {i: ChoiceDeltas(tool_output(), self.settings.reasoning_parser) for i in range(request.n)}
         if request.stream:
             return StreamingResponse(

@@ -40,7 +40,7 @@ class ServingCompletion(OpenAIServing):
         self.check_request(request)
         if request.max_tokens == 0 and not request.echo:
             raise APIError(400, "max_tokens must be >= 1 (0 only with echo=true, to score the prompt)", "max_tokens")
-        self.check_capacity()
+        place = self.check_capacity()
         prompts = _prompts(request.prompt)
         request_id = random_id("cmpl")
         # Echo with logprobs scores the prompt too: the engine computes its logprobs (as many as either asks for).
@@ -59,7 +59,10 @@ class ServingCompletion(OpenAIServing):
             prepared.append(({"prompt": text, "prompt_token_ids": ids}, params))
         # All prompts enter the engine before any first token is awaited, so their prefills share steps.
         results = await asyncio.gather(
-            *(self.start(f"{request_id}-{i}", p, params, request.priority) for i, (p, params) in enumerate(prepared)),
+            *(
+                self.start(f"{request_id}-{i}", p, params, request.priority, place)
+                for i, (p, params) in enumerate(prepared)
+            ),
             return_exceptions=True,
         )
         failures = [r for r in results if isinstance(r, BaseException)]
