@@ -17,8 +17,10 @@ Message = Mapping[str, object]
 
 
 def split_images(messages: list[Message], policy: MediaPolicy) -> tuple[list[dict], list[Image.Image]]:
+    """The messages with each image part as `{"type": "image"}`, and the images, loaded together so that the
+    policy's per-request limits (image count, total pixels) cover them all."""
     rendered: list[dict] = []
-    images: list[Image.Image] = []
+    sources: list[object] = []
     for message in messages:
         content = message.get("content")
         if not isinstance(content, list):
@@ -30,7 +32,7 @@ def split_images(messages: list[Message], policy: MediaPolicy) -> tuple[list[dic
             if kind == "text":
                 parts.append({"type": "text", "text": part.get("text", "")})
             elif kind in ("image_url", "image"):
-                images.append(policy.load(_image_source(part)))
+                sources.append(_image_source(part))
                 parts.append({"type": "image"})
             else:
                 raise ImageError(f"unsupported content part type {kind!r}; supported: text, image_url")
@@ -38,7 +40,7 @@ def split_images(messages: list[Message], policy: MediaPolicy) -> tuple[list[dic
             rendered.append({**message, "content": parts})
         else:
             rendered.append({**message, "content": "".join(p["text"] for p in parts)})
-    return rendered, images
+    return rendered, policy.load_images(sources)
 
 
 def _image_source(part: Mapping[str, object]) -> object:

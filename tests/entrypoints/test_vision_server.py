@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
@@ -13,9 +17,11 @@ from heteroserve.sampling_params import SamplingParams
 from tests.entrypoints.server_process import ServerProcess
 from tests.gateway.test_chat_page import ARTIFACTS, browser, last_reply, page, send, settings  # noqa: F401 - fixtures
 from tests.model.tiny_vl import image, save_tiny_vl
+from tests.multimodal.test_media import header_only_png
 
 MAX_TOKENS = 8
 QUESTION = "What is in this image?"
+REMOTE_MEDIA_LIMITS = ("--media-fetch-timeout", "2", "--max-image-bytes", str(8 * 1024**2))
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +50,80 @@ def vl_server(tiny, media_dir):
         "image=2",
         "--max-image-pixels",
         str(1000 * 1000),
+        "--max-request-image-pixels",
+        str(1500 * 1000),
         "--allowed-local-media-path",
         str(media_dir),
+        *REMOTE_MEDIA_LIMITS,
+        "--allowed-media-domains",
+        "127.0.0.1",
     )
     yield process
     process.stop()
+
+
+@pytest.fixture(scope="module")
+def public_media_server(tiny):
+    """Remote media on, no domains named: only hosts with public addresses, so nothing on this machine."""
+    process = ServerProcess(
+        str(tiny.folder),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory-bytes",
+        str(16 * 1024**2),
+        "--allow-remote-media",
+        *REMOTE_MEDIA_LIMITS,
+    )
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """A web server on 127.0.0.1 that remote image URLs point at; it records each request's Host and path."""
+    buffer = io.BytesIO()
+    image(30, 64, 48).save(buffer, format="PNG")
+    requests: list[tuple[str, str]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            requests.append((self.headers["Host"], self.path))
+            if self.path == "/to-localhost.png":
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{port}/cat.png")
+                self.end_headers()
+            elif self.path == "/missing.png":
+                self.send_error(404, "nothing here", "internal-banner: printer-3f")
+            else:
+                self.send_response(200)
+                self.end_headers()
+                with contextlib.suppress(OSError):  # the client leaving mid-body
+                    self.write_body()
+
+        def write_body(self) -> None:
+            """/drip.png: a byte a second for a minute; /endless.png: 64 KiB blocks forever; else the picture."""
+            if self.path == "/drip.png":
+                for _ in range(60):
+                    self.wfile.write(b"\0")
+                    self.wfile.flush()
+                    time.sleep(1)
+            elif self.path == "/endless.png":
+                while True:
+                    self.wfile.write(b"\0" * 65536)
+            else:
+                self.wfile.write(buffer.getvalue())
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    yield f"http://127.0.0.1:{port}", requests
+    server.shutdown()
+    server.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -120,10 +195,10 @@ def test_local_file_under_the_allowed_path(client, offline, media_dir):
     [
         ("data:image/png;base64," + base64.b64encode(b"definitely not a png").decode(), "cannot decode the image"),
         ("data:image/png;base64,@@@", "base64 payload is invalid"),
-        ("https://example.com/cat.png", "remote image URLs are disabled"),
+        ("https://example.com/cat.png", "could not be fetched"),  # not in --allowed-media-domains: not resolved
         ("file:///etc/passwd", "outside the allowed local media path"),
     ],
-    ids=["undecodable", "bad-base64", "remote-off", "local-outside"],
+    ids=["undecodable", "bad-base64", "remote-not-allowed", "local-outside"],
 )
 def test_bad_image_urls_are_400s(client, url, problem):
     with pytest.raises(openai.BadRequestError, match=problem):
@@ -138,6 +213,60 @@ def test_unsupported_format_too_many_pixels_too_many_images(client):
     small = encoded(image(6, 56, 56))
     with pytest.raises(openai.BadRequestError, match="3 images, more than the limit of 2"):
         ask(client, messages(small, small, small))
+
+
+def test_decompression_bomb_and_the_request_pixel_total_are_400s(client):
+    """A 30000x30000 PNG of a few hundred bytes is refused from its header; so is a second image past the
+    request's total (header-only and undecodable: the limit, not a decoding error, answers)."""
+    with pytest.raises(openai.BadRequestError, match="pixels, more than the limit of 1000000"):
+        ask(client, messages("data:image/png;base64," + base64.b64encode(header_only_png(30000, 30000)).decode()))
+    second = "data:image/png;base64," + base64.b64encode(header_only_png(1000, 1000)).decode()
+    with pytest.raises(openai.BadRequestError, match=r"2000000 pixels in all \(up to image 2\), more than the limit"):
+        ask(client, messages(encoded(image(8, 1000, 1000)), second))
+
+
+def refusal(client, url: str) -> str:
+    """The message of the 400 that a chat request with the image at `url` gets."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(client, messages(url))
+    return refused.value.response.json()["error"]["message"]
+
+
+def test_remote_images_from_the_allowed_domain(client, vl_server, image_host):
+    """Fetched from 127.0.0.1 (named in --allowed-media-domains); a redirect to another host, an error page, a
+    server dripping bytes and one streaming past the size cap all get one message that says nothing of them."""
+    base, requests = image_host
+    buffer = io.BytesIO()
+    image(30, 64, 48).save(buffer, format="PNG")
+    inline = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    assert (
+        ask(client, messages(f"{base}/cat.png")).choices[0].message.content
+        == ask(client, messages(inline)).choices[0].message.content
+    )
+    for path in ("/to-localhost.png", "/missing.png", "/endless.png"):
+        assert refusal(client, base + path) == f"the image at {base}{path} could not be fetched"
+    assert not any(host.startswith("localhost") for host, _ in requests)  # the redirect was not followed
+    start = time.monotonic()
+    assert refusal(client, f"{base}/drip.png") == f"the image at {base}/drip.png could not be fetched"
+    assert time.monotonic() - start < 10  # the deadline is 2 s for all of it; the body would take 60 s
+    log = vl_server.log_text()
+    assert "localhost is not in --allowed-media-domains" in log
+    assert "answered HTTP 404" in log
+    assert f"the body is larger than the limit of {8 * 1024**2} bytes" in log
+    assert "was not done by the deadline of 2.0 s" in log
+
+
+def test_remote_media_reaches_no_address_of_this_machine(public_media_server, image_host):
+    """With --allow-remote-media alone, loopback in any spelling is refused before anything connects."""
+    client = openai.OpenAI(base_url=f"{public_media_server.base_url}/v1", api_key="unused", max_retries=0)
+    base, requests = image_host
+    port = base.rsplit(":", 1)[1]
+    asked_before = len(requests)
+    for host in ("127.0.0.1", "localhost", "[::ffff:127.0.0.1]", "0.0.0.0"):
+        url = f"http://{host}:{port}/cat.png"
+        assert refusal(client, url) == f"the image at {url} could not be fetched"
+    assert len(requests) == asked_before
+    assert public_media_server.log_text().count("resolves to the non-public address") == 4
 
 
 def test_image_to_a_text_only_model_is_a_400(server):
