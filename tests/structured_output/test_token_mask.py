@@ -75,40 +75,40 @@ def test_masked_logits_equal_the_unmasked_ones_on_allowed_tokens(compiler, defau
     assert "." in regex_next and "5" in regex_next and "a" not in regex_next
 
 
-@given(st.lists(st.integers(min_value=0, max_value=2**32), min_size=40, max_size=40))
-def test_every_token_sampled_under_a_regex_keeps_a_valid_prefix(compiler, default_tokenizer, choices):
-    """Random walks through the allowed tokens: each text is a prefix of a match, and ends only on a full one."""
-    vocab = len(default_tokenizer)
+def random_walk(compiler, vocab: int, params: StructuredOutputsParams, choices: list[int]):
+    """Tokens drawn by `choices` from each step's allowed ones: yields (allowed ids, tokens so far) before each draw
+    and stops at an eos or when the choices run out."""
     manager = StructuredOutputManager(compiler)
-    manager.add("walk", compiler.grammar(StructuredOutputsParams(regex=PATTERN)))
+    manager.add("walk", compiler.grammar(params))
     tokens: list[int] = []
     for choice in choices:
         allowed = allowed_ids(manager.bitmasks(["walk"])["walk"], vocab)
+        yield allowed, tokens
         token = int(allowed[choice % len(allowed)])
         if token == EOS:
-            assert regex.fullmatch(PATTERN, default_tokenizer.decode(tokens))
             return
         tokens.append(token)
         manager.advance("walk", [token])
         assert "walk" in manager, "a token the mask allowed broke the grammar"
-        assert regex.fullmatch(PATTERN, default_tokenizer.decode(tokens), partial=True), tokens
+
+
+@given(st.lists(st.integers(min_value=0, max_value=2**32), min_size=40, max_size=40))
+def test_every_token_sampled_under_a_regex_keeps_a_valid_prefix(compiler, default_tokenizer, choices):
+    """Random walks through the allowed tokens: each text is a prefix of a match, and an eos comes only after a
+    full one."""
+    params = StructuredOutputsParams(regex=PATTERN)
+    for allowed, tokens in random_walk(compiler, len(default_tokenizer), params, choices):
+        text = default_tokenizer.decode(tokens)
+        assert regex.fullmatch(PATTERN, text, partial=True), tokens
+        if EOS in allowed:
+            assert regex.fullmatch(PATTERN, text)
 
 
 @given(st.lists(st.integers(min_value=0, max_value=2**32), min_size=80, max_size=80))
 def test_json_sampled_under_a_schema_validates(compiler, default_tokenizer, choices):
-    vocab = len(default_tokenizer)
-    manager = StructuredOutputManager(compiler)
-    manager.add("walk", compiler.grammar(StructuredOutputsParams(json=SCHEMA)))
-    tokens: list[int] = []
-    for choice in choices:
-        allowed = allowed_ids(manager.bitmasks(["walk"])["walk"], vocab)
+    for allowed, tokens in random_walk(compiler, len(default_tokenizer), StructuredOutputsParams(json=SCHEMA), choices):
         if EOS in allowed:  # the object is complete
             jsonschema.validate(json.loads(default_tokenizer.decode(tokens)), SCHEMA)
-            return
-        token = int(allowed[choice % len(allowed)])
-        tokens.append(token)
-        manager.advance("walk", [token])
-        assert "walk" in manager
 
 
 def test_the_grammar_starts_after_the_reasoning(compiler, default_tokenizer):
