@@ -109,6 +109,10 @@ def test_gateway_configmap_loads_and_routes_to_the_pools(tmp_path):
     parser = argparse.ArgumentParser()
     add_gateway_args(parser)
     args = parser.parse_args(container(gateway)["args"][1:])
+    # The gateway drains as a server does: killed only after the preStop pause, its drain and uvicorn's shutdown.
+    pause = container(gateway)["lifecycle"]["preStop"]["sleep"]["seconds"]
+    grace = gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace >= pause + args.drain_timeout + UVICORN_SHUTDOWN_S
     mount = next(m for m in container(gateway)["volumeMounts"] if m["name"] == "config")
     (volume,) = [v for v in gateway["spec"]["template"]["spec"]["volumes"] if v["name"] == "config"]
     assert volume["configMap"]["name"] == configmap["metadata"]["name"]

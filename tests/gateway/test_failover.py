@@ -55,6 +55,7 @@ def test_killed_back_end(tiny_servers, doomed, tmp_path):
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2].removeprefix("data: "))["error"]
         assert error["code"] == 502 and "broke off the stream" in error["message"]
+        assert error["type"] == "InternalServerError"  # OpenAI's type for it, as the client would raise
         assert all(e.startswith("data: {") for e in events[:-1])
         assert moved.status_code == 200 and moved.headers["x-served-by"] in ("tiny-a", "tiny-b")
         assert moved.json()["usage"]["completion_tokens"] == 4

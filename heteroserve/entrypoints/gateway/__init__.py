@@ -10,12 +10,16 @@ import uvicorn
 
 from heteroserve.entrypoints.gateway.app import Gateway, build_app
 from heteroserve.entrypoints.gateway.config import ConfigError
+from heteroserve.entrypoints.openai.api_server import DrainingServer
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="the gateway's YAML file (deploy/gateway.example.yaml)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
+    )
     parser.add_argument("--uvicorn-log-level", default="info")
 
 
@@ -27,4 +31,7 @@ def run_gateway(args: argparse.Namespace) -> None:
     except ConfigError as exc:
         raise SystemExit(f"invalid gateway config: {exc}") from None
     app = build_app(gateway)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=30)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5
+    )
+    DrainingServer(config, app.state.server, args.drain_timeout).run()  # SIGTERM drains, as the server does

@@ -1,5 +1,5 @@
 """The gateway's HTTP app: OpenAI-compatible routes in front of the back ends, probes, metrics, the chat
-page, and the config reload on SIGHUP."""
+page, the config reload on SIGHUP, and the in-flight count the SIGTERM drain waits on."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from heteroserve import web
 from heteroserve.entrypoints.gateway.backends import check_all
@@ -25,6 +26,7 @@ from heteroserve.entrypoints.gateway.metrics import GatewayMetrics
 from heteroserve.entrypoints.gateway.proxy import Proxy
 from heteroserve.entrypoints.gateway.router import Router
 from heteroserve.entrypoints.openai.errors import APIError
+from heteroserve.entrypoints.openai.gate import ServerState
 
 logger = logging.getLogger("heteroserve.gateway")
 
@@ -60,6 +62,27 @@ class Gateway:
         return request.headers.get("x-service-class") or default
 
 
+class DrainGate:
+    """Counts each /v1/* request in flight until its last byte is sent (a relayed stream too), and refuses new
+    ones with 503 while draining. Plain ASGI, as the server's Gate is, so a stream counts until it ends."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if self.state.draining:
+            await APIError(503, "the gateway is shutting down").response()(scope, receive, send)
+            return
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
+
+
 def build_app(gateway: Gateway) -> FastAPI:
     metrics = GatewayMetrics(lambda: gateway.router)
     proxy: Proxy | None = None
@@ -79,6 +102,9 @@ def build_app(gateway: Gateway) -> FastAPI:
             checker.cancel()
 
     app = FastAPI(title="heteroserve gateway", lifespan=lifespan)
+    state = ServerState()  # its draining flag and in-flight count; readiness is the back ends'
+    app.state.server = state
+    app.add_middleware(DrainGate, state=state)
 
     def request_id(request: Request) -> str:
         if not hasattr(request.state, "request_id"):
@@ -105,6 +131,8 @@ def build_app(gateway: Gateway) -> FastAPI:
     @app.get("/health/ready")
     async def ready():
         states = backend_states()
+        if state.draining:
+            return JSONResponse({"status": "draining", "backends": states}, status_code=503)
         if "up" not in states.values():
             return JSONResponse({"status": "no healthy back end", "backends": states}, status_code=503)
         return {"status": "ready", "backends": states}
