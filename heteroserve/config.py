@@ -138,11 +138,13 @@ class MultimodalConfig:
     min_pixels: int | None = None  # the image processor's resize budget; None: the checkpoint's
     max_pixels: int | None = None
     max_image_pixels: int = 64 * 1024**2  # width x height of an input image before resizing
+    # Of all of one request's input images together: eight 4096x4096 or two 8192x8192 ones (~400 MB as RGB).
+    max_request_image_pixels: int = 128 * 1024**2
 
     def __post_init__(self) -> None:
         if self.limit_images_per_prompt < 0:
             raise ValueError(f"the image limit per prompt must be >= 0, got {self.limit_images_per_prompt}")
-        for name in ("min_pixels", "max_pixels"):
+        for name in ("min_pixels", "max_pixels", "max_image_pixels", "max_request_image_pixels"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

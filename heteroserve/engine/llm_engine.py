@@ -48,7 +48,7 @@ class LLMEngine:
         proposer = NgramProposer(config.speculative) if config.speculative is not None else None
         self.scheduler = Scheduler(config.scheduler, kv_cache, proposer)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.media = MediaPolicy(max_pixels=config.multimodal.max_image_pixels)
+        self.media = MediaPolicy.from_config(config.multimodal)
         self.image_processor = None
         if info.vision_language:
             mm = config.multimodal
@@ -170,7 +170,7 @@ class LLMEngine:
         images = list(images) if isinstance(images, (list, tuple)) else [images]
         if self.image_processor is None:
             raise ImageError(f"{self.model_name} is a text-only model: it does not accept images")
-        return self.image_processor.process(token_ids, [self.media.load(image) for image in images])
+        return self.image_processor.process(token_ids, self.media.load_images(images))
 
     def _add(self, request: Request, text: str | None, index: int = 0, parent: ParentRequest | None = None) -> None:
         self.scheduler.add_request(request)

@@ -113,6 +113,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=MultimodalConfig.max_image_pixels,
         help="largest input image (width x height, before resizing); larger ones are answered 400",
     )
+    group.add_argument(
+        "--max-request-image-pixels",
+        type=int,
+        default=MultimodalConfig.max_request_image_pixels,
+        help="most input image pixels in one request, all images together (checked before decoding each)",
+    )
 
     add_parallel_args(parser)
 
@@ -186,6 +192,7 @@ def engine_config_from_args(model: str | None, args: argparse.Namespace) -> Engi
             (args.mm_processor_kwargs or {}).get("min_pixels"),
             (args.mm_processor_kwargs or {}).get("max_pixels"),
             args.max_image_pixels,
+            args.max_request_image_pixels,
         ),
         parallel=ParallelConfig(
             args.tensor_parallel_size,

@@ -86,6 +86,23 @@ def test_bad_request_does_not_disturb_the_batch(default_llm):
     assert finished["good-2"].outputs[0].token_ids == alone[1].outputs[0].token_ids
 
 
+def test_refused_n_request_queues_no_sample(default_llm):
+    """Sample i of an n > 1 request uses seed + i, so seed 2**63 - 1 is fine for sample 0 and overflows for
+    sample 1; a sample id may also be taken. Either way the whole request is refused and nothing of it runs."""
+    engine = default_llm.engine
+    overflowing = SamplingParams(seed=2**63 - 1, n=2, max_tokens=8, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"n=2: sample 1 \(which uses seed \+ 1\) is invalid: seed must be"):
+        default_llm.generate("hi", overflowing, use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    engine.add_request("1_taken", "hi", SamplingParams(max_tokens=8))
+    with pytest.raises(ValueError, match="'1_taken' .sample 1 of 'taken'. is already in use"):
+        engine.add_request("taken", "hi", SamplingParams(n=2, max_tokens=8))
+    assert set(engine.scheduler.requests) == {"1_taken"}
+    engine.abort_request("1_taken")
+    engine.step()
+    assert not engine.has_unfinished_requests()
+
+
 def test_abort_frees_blocks_and_reports(default_llm):
     engine = default_llm.engine
     pool = engine.scheduler.kv_cache.pool

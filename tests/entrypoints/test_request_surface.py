@@ -406,19 +406,3 @@ def test_continue_final_message(server, client, default_llm, default_tokenizer, 
     assert offline.prompt_token_ids == ids and offline.outputs[0].text == reply.choices[0].message.content
     both = {"messages": messages, "continue_final_message": True, "add_generation_prompt": True}
     _error(_post(server, "/v1/chat/completions", both), 400, "continue_final_message")
-
-
-def test_chat_template_kwargs_reach_the_template(server, default_llm, default_tokenizer):
-    template = "{{ greeting }}{% for m in messages %} {{ m.content }}{% endfor %}"
-    kwargs = {"chat_template": template, "chat_template_kwargs": {"greeting": "Ahoy"}}
-    expected = default_tokenizer.encode("Ahoy hi", add_special_tokens=False)
-    assert _post(server, "/tokenize", {"messages": HI, **kwargs}).json()["tokens"] == expected
-    reply = _post(server, "/v1/chat/completions", {**CHAT, **kwargs}).json()
-    assert reply["usage"]["prompt_tokens"] == len(expected)
-    params = SamplingParams(max_tokens=1)
-    offline = default_llm.chat(
-        HI, params, use_tqdm=False, chat_template=template, chat_template_kwargs={"greeting": "Ahoy"}
-    )
-    assert offline[0].prompt_token_ids == expected
-    clash = {**CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}
-    _error(_post(server, "/v1/chat/completions", clash), 400, "chat_template_kwargs")

@@ -40,7 +40,7 @@ from heteroserve.multimodal.media import MediaPolicy
 from heteroserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("heteroserve.server")
-_API_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 429, 500, 503)}
+_API_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)}
 _PROBE_ERRORS = {503: {"model": ErrorResponse}}
 _GENERATION_RESPONSES = {
     **_API_ERRORS,
@@ -66,7 +66,9 @@ def build_app(
     admission = Admission(settings.max_waiting_requests)  # one count for both routes
     completions = ServingCompletion(engine, settings, metrics, admission)
     chats = ServingChat(engine, settings, metrics, admission)
-    app.add_middleware(Gate, engine=engine, state=state, api_key=api_key)
+    app.add_middleware(
+        Gate, engine=engine, state=state, api_key=api_key, max_body_bytes=settings.max_request_body_bytes
+    )
     if allowed_origins:  # outermost, so a browser's preflight is answered before the key is asked for
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])
 
@@ -169,9 +171,11 @@ def build_app(
         if body.messages is not None:
             options = {"add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs"}
             chat = ChatCompletionRequest(messages=body.messages, **body.model_dump(include=options, exclude_unset=True))
-            _, tokens, _ = await asyncio.to_thread(chats.render, chat)
-        elif body.prompt is not None:
-            tokens = chats.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            _, tokens, _ = await chats.render_in_thread(chat)
+        elif body.prompt is not None:  # a long prompt takes seconds: off the event loop
+            tokens = await asyncio.to_thread(
+                chats.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+            )
         else:
             raise APIError(400, "give either prompt or messages", "prompt")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.engine.max_model_len}
@@ -185,7 +189,7 @@ def build_app(
             raise APIError(400, "this model has no tokenizer")
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
-        return {"prompt": chats.tokenizer.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(chats.tokenizer.decode, body.tokens)}
 
     @app.on_event("startup")
     async def warm_up():
@@ -244,6 +248,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     group.add_argument("--chat-template", default=None, help="a Jinja chat template (file path or inline)")
     group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept chat_template in requests (templates are code the server runs; refused by default)",
+    )
+    group.add_argument(
+        "--chat-template-timeout", type=float, default=5.0, help="seconds one chat template rendering may take"
+    )
+    group.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='tool_choice "auto": the model decides, and --tool-call-parser finds its calls in the output',
@@ -253,14 +265,37 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins, e.g. '*'")
     group.add_argument("--max-waiting-requests", type=int, default=None, help="answer 429 beyond this many waiting")
-    group.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is abandoned")
+    group.add_argument(
+        "--request-timeout", type=float, default=None, help="seconds a request may take, streamed or not (408)"
+    )
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=32 * 1024**2,
+        help="larger request bodies answer 413 (the default fits one --max-image-bytes image in base64)",
+    )
+    group.add_argument(
+        "--max-prompts-per-request", type=int, default=256, help="prompts one completion request may hold"
+    )
     group.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
     group.add_argument("--enable-log-requests", action="store_true", help="log request bodies (prompts included)")
     group.add_argument("--uvicorn-log-level", default="info")
     media = parser.add_argument_group("images in chat requests")
     media.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) image URLs (off: offline)")
     media.add_argument("--allowed-local-media-path", default=None, help="serve file:// images only under this folder")
-    media.add_argument("--media-fetch-timeout", type=float, default=10.0, help="seconds for one remote image")
+    media.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        help="fetch remote images only from these hosts, on any address (private ones too); implies "
+        "--allow-remote-media, which alone reaches only hosts with public addresses",
+    )
+    media.add_argument(
+        "--media-fetch-timeout",
+        type=float,
+        default=10.0,
+        help="seconds for all of one remote image's fetch (resolution, redirects, body)",
+    )
     media.add_argument("--max-image-bytes", type=int, default=20 * 1024**2, help="largest encoded image accepted")
     add_engine_args(parser)
 
@@ -270,25 +305,29 @@ def run_server(args: argparse.Namespace) -> None:
     model = args.model or args.model_tag
     try:
         config = engine_config_from_args(model, args)
+        media = MediaPolicy.from_config(
+            config.multimodal,
+            allow_remote=args.allow_remote_media or bool(args.allowed_media_domains),
+            allowed_domains=frozenset(args.allowed_media_domains) if args.allowed_media_domains else None,
+            allowed_local_path=Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
+            max_bytes=args.max_image_bytes,
+            timeout_s=args.media_fetch_timeout,
+        )
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     if config.parallel.node_rank > 0:  # a worker node: no engine, no HTTP; it serves the head's ranks
         from heteroserve.executor.worker_process import run_node
 
         raise SystemExit(run_node(config))
+    for name in ("request_timeout", "chat_template_timeout", "max_request_body_bytes", "max_prompts_per_request"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise SystemExit(f"--{name.replace('_', '-')} must be positive")
     chat_template = args.chat_template
     if chat_template is not None:
         path = Path(chat_template)
         chat_template = path.read_text() if path.is_file() else chat_template
     engine = AsyncLLMEngine.from_config(config)
     names = args.served_model_name or [engine.engine.model_name]
-    media = MediaPolicy(
-        allow_remote=args.allow_remote_media,
-        allowed_local_path=Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
-        max_bytes=args.max_image_bytes,
-        timeout_s=args.media_fetch_timeout,
-        max_pixels=args.max_image_pixels,
-    )
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     settings = ServerSettings(
@@ -299,6 +338,10 @@ def run_server(args: argparse.Namespace) -> None:
         media,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         reasoning_parser=args.reasoning_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
+        chat_template_timeout=args.chat_template_timeout,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_prompts_per_request=args.max_prompts_per_request,
     )
     app = build_app(engine, settings, args.api_key, args.allowed_origins, args.enable_log_requests)
     server_config = uvicorn.Config(

@@ -10,8 +10,10 @@ _TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     408: "TimeoutError",
+    413: "RequestTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",
+    502: "InternalServerError",  # a back end failed the gateway; OpenAI's client raises InternalServerError for it
     503: "ServiceUnavailableError",
 }
 

@@ -1,4 +1,5 @@
-"""The server's front door: API key, draining and engine-health checks, in-flight accounting, disconnects.
+"""The server's front door: API key, draining and engine-health checks, body size, in-flight accounting,
+disconnects.
 
 A plain ASGI middleware rather than Starlette's BaseHTTPMiddleware: that one pipes every streamed body through
 an extra task and returns before the stream ends, so it both slows the first token and would count a stream
@@ -8,12 +9,13 @@ as finished while it still runs (the SIGTERM drain waits on this count).
 from __future__ import annotations
 
 import asyncio
+import hmac
 from collections.abc import Awaitable
 from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from heteroserve.engine.async_engine import AsyncLLMEngine
 from heteroserve.entrypoints.openai.errors import APIError
@@ -36,8 +38,11 @@ class ServerState:
 class Gate:
     """Guards /v1/*, /tokenize and /detokenize; probes, /metrics and the chat page pass freely."""
 
-    def __init__(self, app: ASGIApp, engine: AsyncLLMEngine, state: ServerState, api_key: str | None) -> None:
-        self.app, self.engine, self.state, self.api_key = app, engine, state, api_key
+    def __init__(
+        self, app: ASGIApp, engine: AsyncLLMEngine, state: ServerState, api_key: str | None, max_body_bytes: int
+    ) -> None:
+        self.app, self.engine, self.state, self.max_body_bytes = app, engine, state, max_body_bytes
+        self.expected_authorization = None if api_key is None else f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith(KEYED_PREFIXES):
@@ -49,20 +54,62 @@ class Gate:
             return
         self.state.in_flight += 1
         try:
-            await self.app(scope, receive, send)  # returns once the whole body, streamed or not, is sent
+            body = await self._read_body(scope, receive)
+            if isinstance(body, APIError):
+                await body.response()(scope, receive, send)
+                return
+            # Returns once the whole answer, streamed or not, is sent.
+            await self.app(scope, _replay(body, receive), send)
         finally:
             self.state.in_flight -= 1
 
     def _refusal(self, scope: Scope) -> APIError | None:
-        if self.api_key is not None:
-            headers = dict(scope["headers"])
-            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+        if self.expected_authorization is not None:
+            sent = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(sent, self.expected_authorization):  # in constant time: no key by timing
                 return APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')")
         if self.state.draining:
             return APIError(503, "the server is shutting down")
         if not self.engine.is_alive:
             return APIError(500, f"the engine has failed: {self.engine.dead_error!r}")
         return None
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> Message | APIError:
+        """The whole request body as one message, or a 413 past --max-request-body-bytes: at once when
+        Content-Length says so, else as soon as the count of what arrived passes it (a chunked body has no length).
+        Read here, before any handler runs, so that no handler parses or tokenizes an oversized body."""
+        limit = self.max_body_bytes
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            return APIError(
+                413,
+                f"the request body is {int(declared)} bytes; this server accepts at most {limit} "
+                "(--max-request-body-bytes)",
+            )
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return message  # the client left; the handler sees it
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return APIError(
+                    413,
+                    f"the request body passed {limit} bytes, the most this server accepts (--max-request-body-bytes)",
+                )
+            if not message.get("more_body", False):
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+
+def _replay(first: Message, receive: Receive) -> Receive:
+    """A receive that hands out `first` (the body already read), then the connection's own messages."""
+    pending = [first]
+
+    async def replayed() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replayed
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Response:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -29,6 +30,10 @@ class ServerSettings:
     media: MediaPolicy = field(default_factory=MediaPolicy)  # where chat images may come from
     tool_call_parser: str | None = None  # set: tool_choice "auto" is enabled and parses this format
     reasoning_parser: str | None = None  # set: <think> goes to reasoning_content
+    trust_request_chat_template: bool = False  # a request's chat_template is code run on the server
+    chat_template_timeout: float = 5.0  # seconds one rendering may take
+    max_request_body_bytes: int = 32 * 1024**2  # room for one image of --max-image-bytes' default, base64-encoded
+    max_prompts_per_request: int = 256  # prompts in one completion request (each is an engine request)
 
 
 class Admission:
@@ -120,34 +125,50 @@ class OpenAIServing:
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
+    def deadline(self) -> float | None:
+        """When a request arriving now must be done (time.monotonic()), streamed or not: --request-timeout."""
+        timeout = self.settings.request_timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    def timed_out(self) -> APIError:
+        return APIError(408, f"the request did not finish within {self.settings.request_timeout} s")
+
     async def start(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int, place: WaitingPlace | None
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        priority: int,
+        place: WaitingPlace | None,
+        deadline: float | None,
     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Starts one engine request and waits for its first output, so bad input fails before any byte is sent.
         The request leaves its waiting `place` once the engine runs it."""
         stream = self.engine.generate(request_id, prompt, params, priority, place.leave if place else None)
         try:
-            first = await self._next(stream)
+            first = await self._next(stream, deadline)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         except EngineDeadError as exc:
             raise APIError(500, str(exc)) from exc
         return first, stream
 
-    async def _next(self, stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-        timeout = self.settings.request_timeout
+    async def _next(self, stream: AsyncIterator[RequestOutput], deadline: float | None) -> RequestOutput:
+        """The stream's next output; past the deadline the stream is closed, which aborts the engine request."""
         try:
-            return await asyncio.wait_for(anext(stream), timeout)
+            return await asyncio.wait_for(anext(stream), None if deadline is None else deadline - time.monotonic())
         except TimeoutError as exc:
             await stream.aclose()
-            raise APIError(408, f"the request did not finish within {timeout} s") from exc
+            raise self.timed_out() from exc
 
-    async def rest(self, first: RequestOutput, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async def rest(
+        self, first: RequestOutput, stream: AsyncIterator[RequestOutput], deadline: float | None
+    ) -> AsyncIterator[RequestOutput]:
         yield first
         output = first
         while not output.finished:
             try:
-                output = await self._next(stream)
+                output = await self._next(stream, deadline)
             except EngineDeadError as exc:
                 raise APIError(500, str(exc)) from exc
             yield output

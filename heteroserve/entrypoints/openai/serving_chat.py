@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from PIL import Image
 from transformers import PreTrainedTokenizerBase
 
+from heteroserve.engine.async_engine import AsyncLLMEngine
 from heteroserve.entrypoints.openai.chat_output import (
     AutoCallsOutput,
     ChoiceDeltas,
@@ -20,15 +23,29 @@ from heteroserve.entrypoints.openai.chat_output import (
     ToolOutput,
     merge_deltas,
 )
+from heteroserve.entrypoints.openai.chat_template import (
+    ChatTemplateRenderer,
+    TemplateTimeout,
+    TemplateTooLarge,
+    max_prompt_chars,
+)
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, now, random_id
-from heteroserve.entrypoints.openai.serving import OpenAIServing, prompt_logprobs_field, sse, usage
+from heteroserve.entrypoints.openai.serving import (
+    Admission,
+    OpenAIServing,
+    ServerSettings,
+    prompt_logprobs_field,
+    sse,
+    usage,
+)
 from heteroserve.entrypoints.openai.tools import (
     arguments_schema,
     named_function,
     required_calls_schema,
     template_tool_calls,
 )
+from heteroserve.metrics.prometheus import ServerMetrics
 from heteroserve.multimodal.chat import split_images
 from heteroserve.multimodal.media import ImageError
 from heteroserve.outputs import CompletionOutput
@@ -86,18 +103,50 @@ def template_options(request: ChatCompletionRequest) -> dict:
             "chat_template_kwargs",
         )
     return {
-        **extra,
         "add_generation_prompt": generation_prompt,
         "continue_final_message": request.continue_final_message,
+        "variables": extra,
     }
 
 
-class ServingChat(OpenAIServing):
-    def render(self, request: ChatCompletionRequest) -> tuple[str, list[int], list[Image.Image]]:
-        """The prompt text, its token ids, and the images in the order their placeholders appear.
+# Compiling a template cannot be interrupted (~1 s for 64 KiB of dense Jinja); models' own templates are < 20 KB.
+MAX_REQUEST_TEMPLATE_CHARS = 64 * 1024
+REQUEST_TEMPLATE_THREADS = 2  # renderings are Python under the GIL: more threads would not render more
 
-        Runs in a worker thread: decoding (or fetching) images must not stall the event loop."""
-        if self.tokenizer is None:
+
+class ServingChat(OpenAIServing):
+    def __init__(
+        self, engine: AsyncLLMEngine, settings: ServerSettings, metrics: ServerMetrics, admission: Admission
+    ) -> None:
+        super().__init__(engine, settings, metrics, admission)
+        self.templates = None
+        if self.tokenizer is not None:
+            self.templates = ChatTemplateRenderer(self.tokenizer, max_prompt_chars(self.tokenizer, self.max_model_len))
+        # Requests' own templates render in threads of their own, so that slow ones never hold up the others.
+        self.request_template_threads = None
+        if self.settings.trust_request_chat_template:
+            self.request_template_threads = ThreadPoolExecutor(
+                max_workers=REQUEST_TEMPLATE_THREADS, thread_name_prefix="request-templates"
+            )
+
+    async def render_in_thread(
+        self, request: ChatCompletionRequest, deadline: float | None = None
+    ) -> tuple[str, list[int], list[Image.Image]]:
+        """`render` in a worker thread: templates, images and tokenizing must not stall the event loop.
+        --chat-template-timeout counts from now, waiting for a thread included."""
+        self._check_request_template(request.chat_template)
+        threads = self.request_template_threads if request.chat_template is not None else None
+        template_deadline = time.monotonic() + self.settings.chat_template_timeout
+        return await asyncio.get_running_loop().run_in_executor(
+            threads, self.render, request, deadline, template_deadline
+        )
+
+    def render(
+        self, request: ChatCompletionRequest, deadline: float | None, template_deadline: float
+    ) -> tuple[str, list[int], list[Image.Image]]:
+        """The prompt text, its token ids, and the images in the order their placeholders appear. The template
+        renders by `template_deadline`, or by the request's `deadline` when that comes first (a 408 then)."""
+        if self.templates is None:
             raise APIError(400, "this model has no tokenizer, so it has no chat template")
         messages = [self._template_message(m) for m in request.messages]
         images: list[Image.Image] = []
@@ -116,17 +165,54 @@ class ServingChat(OpenAIServing):
         if request.tools and request.tool_choice != "none":
             tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
         options = template_options(request)
+        by_request = deadline is not None and deadline < template_deadline
+        # What a rendering too slow or too large is blamed on: the request's template, or its messages.
+        param = "chat_template" if request.chat_template is not None else "messages"
+        subject = "chat_template" if request.chat_template is not None else "the chat template, applied to messages,"
         try:
-            text = self.tokenizer.apply_chat_template(
+            text = self.templates.render(
                 messages,
-                tools=tools,
-                tokenize=False,
-                **options,
+                (deadline if by_request else template_deadline) - time.monotonic(),
                 chat_template=request.chat_template or self.settings.chat_template,
+                tools=tools,
+                **options,
             )
+        except TemplateTimeout as exc:
+            if by_request:
+                raise self.timed_out() from exc
+            timeout = self.settings.chat_template_timeout
+            raise APIError(
+                400, f"{subject} did not finish rendering within {timeout} s (--chat-template-timeout)", param
+            ) from exc
+        except TemplateTooLarge as exc:
+            raise APIError(
+                400,
+                f"{subject} was stopped: it built {exc} (a prompt of max_model_len = {self.max_model_len} tokens "
+                f"holds at most {self.templates.max_chars} characters)",
+                param,
+            ) from exc
         except Exception as exc:  # jinja2 errors from the template (e.g. roles it rejects)
             raise APIError(400, f"cannot apply the chat template: {exc}", "messages") from exc
         return text, self.tokenizer.encode(text, add_special_tokens=False), images
+
+    def _check_request_template(self, template: str | None) -> None:
+        """A request's chat template is code the server runs: refused unless the operator trusts clients with it."""
+        if template is None:
+            return
+        if not self.settings.trust_request_chat_template:
+            raise APIError(
+                400,
+                "chat_template in a request is refused: templates are code the server runs; start the server "
+                "with --trust-request-chat-template to accept them (or --chat-template to set one for all requests)",
+                "chat_template",
+            )
+        if len(template) > MAX_REQUEST_TEMPLATE_CHARS:
+            raise APIError(
+                400,
+                f"chat_template is {len(template)} characters; a request's template may have at most "
+                f"{MAX_REQUEST_TEMPLATE_CHARS}",
+                "chat_template",
+            )
 
     @staticmethod
     def _template_message(message: ChatMessage) -> dict:
@@ -171,13 +257,14 @@ class ServingChat(OpenAIServing):
         )
 
     async def create(self, request: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+        deadline = self.deadline()
         self.check_model(request.model)
         self.check_request(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         place = self.check_capacity()
         tool_output, forced = self._tool_output(request)
-        text, ids, images = await asyncio.to_thread(self.render, request)
+        text, ids, images = await self.render_in_thread(request, deadline)
         max_tokens = self.max_tokens_for(len(ids), request.max_completion_tokens or request.max_tokens)
         top = request.top_logprobs or 0
         logprobs = top if request.logprobs else None
@@ -197,14 +284,15 @@ class ServingChat(OpenAIServing):
         prompt = {"prompt": text, "prompt_token_ids": ids}
         if images:
             prompt["multi_modal_data"] = {"image": images}
-        first, stream = await self.start(request_id, prompt, params, request.priority, place)
+        first, stream = await self.start(request_id, prompt, params, request.priority, place, deadline)
         choices = {i: ChoiceDeltas(tool_output(), self.settings.reasoning_parser) for i in range(request.n)}
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, first, stream, top, choices), media_type="text/event-stream"
+                self._stream(request, request_id, first, stream, top, choices, deadline),
+                media_type="text/event-stream",
             )
         final = None
-        async for output in self.rest(first, stream):
+        async for output in self.rest(first, stream, deadline):
             final = output
         answers, completion_tokens = [], 0
         for completion in final.outputs:
@@ -236,7 +324,7 @@ class ServingChat(OpenAIServing):
             }
         )
 
-    async def _stream(self, request, request_id, first, stream, top, choices) -> AsyncIterator[str]:
+    async def _stream(self, request, request_id, first, stream, top, choices, deadline) -> AsyncIterator[str]:
         created = now()
         counts: dict[int, int] = {}
 
@@ -249,7 +337,7 @@ class ServingChat(OpenAIServing):
             for index in range(request.n):
                 yield choice(index, {"role": "assistant", "content": ""})
             prompt_tokens = len(first.prompt_token_ids)
-            async for output in self.rest(first, stream):
+            async for output in self.rest(first, stream, deadline):
                 for completion in output.outputs:
                     counts[completion.index] = counts.get(completion.index, 0) + len(completion.token_ids)
                     deltas = choices[completion.index]

@@ -13,6 +13,7 @@ from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.protocol import CompletionRequest, now, random_id
 from heteroserve.entrypoints.openai.serving import OpenAIServing, merge, prompt_logprobs_field, sse, usage
 from heteroserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from heteroserve.sampling_params import SamplingParams
 
 
 def _prompts(prompt: str | list) -> list[PromptInput]:
@@ -36,13 +37,47 @@ def joined(first: dict | None, second: dict | None) -> dict | None:
 
 class ServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest) -> JSONResponse | StreamingResponse:
+        deadline = self.deadline()
         self.check_model(request.model)
         self.check_request(request)
         if request.max_tokens == 0 and not request.echo:
             raise APIError(400, "max_tokens must be >= 1 (0 only with echo=true, to score the prompt)", "max_tokens")
         place = self.check_capacity()
         prompts = _prompts(request.prompt)
+        limit = self.settings.max_prompts_per_request
+        if len(prompts) > limit:
+            raise APIError(
+                400,
+                f"prompt holds {len(prompts)} prompts; this server takes at most {limit} in one request "
+                "(--max-prompts-per-request)",
+                "prompt",
+            )
         request_id = random_id("cmpl")
+        # Tokenizing a long prompt takes seconds: off the event loop (the tokenizer releases the GIL meanwhile).
+        prepared = await asyncio.to_thread(self._prepare, request, prompts)
+        # All prompts enter the engine before any first token is awaited, so their prefills share steps.
+        results = await asyncio.gather(
+            *(
+                self.start(f"{request_id}-{i}", p, params, request.priority, place, deadline)
+                for i, (p, params) in enumerate(prepared)
+            ),
+            return_exceptions=True,
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            for result in results:
+                if not isinstance(result, BaseException):
+                    await result[1].aclose()
+            raise failures[0]
+        started = results
+        if request.stream:
+            return StreamingResponse(
+                self._stream(request, request_id, started, deadline), media_type="text/event-stream"
+            )
+        return JSONResponse(await self._full(request, request_id, started, deadline))
+
+    def _prepare(self, request: CompletionRequest, prompts: list[PromptInput]) -> list[tuple[dict, SamplingParams]]:
+        """Each prompt's engine input (text and token ids) and sampling parameters."""
         # Echo with logprobs scores the prompt too: the engine computes its logprobs (as many as either asks for).
         asked = [request.prompt_logprobs, request.logprobs if request.echo else None]
         prompt_logprobs = max((k for k in asked if k is not None), default=None)
@@ -57,24 +92,7 @@ class ServingCompletion(OpenAIServing):
                 lambda m=max_tokens: request.sampling_params(m, self.defaults, request.logprobs, prompt_logprobs)
             )
             prepared.append(({"prompt": text, "prompt_token_ids": ids}, params))
-        # All prompts enter the engine before any first token is awaited, so their prefills share steps.
-        results = await asyncio.gather(
-            *(
-                self.start(f"{request_id}-{i}", p, params, request.priority, place)
-                for i, (p, params) in enumerate(prepared)
-            ),
-            return_exceptions=True,
-        )
-        failures = [r for r in results if isinstance(r, BaseException)]
-        if failures:
-            for result in results:
-                if not isinstance(result, BaseException):
-                    await result[1].aclose()
-            raise failures[0]
-        started = results
-        if request.stream:
-            return StreamingResponse(self._stream(request, request_id, started), media_type="text/event-stream")
-        return JSONResponse(await self._full(request, request_id, started))
+        return prepared
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         try:
@@ -141,18 +159,22 @@ class ServingCompletion(OpenAIServing):
             **prompt_logprobs_field(request.prompt_logprobs, output),
         }
 
-    async def _full(self, request: CompletionRequest, request_id: str, started) -> dict:
+    async def _full(self, request: CompletionRequest, request_id: str, started, deadline: float | None) -> dict:
         choices, prompt_tokens, completion_tokens = [], 0, 0
-        for i, (first, stream) in enumerate(started):
-            final = None
-            async for output in self.rest(first, stream):
-                final = output
-            prompt_tokens += len(final.prompt_token_ids)
-            for completion in final.outputs:
-                self.record(final, len(completion.token_ids), completion.finish_reason)
-                if request.max_tokens != 0:
-                    completion_tokens += len(completion.token_ids)
-                choices.append(self._choice(request, i * request.n + completion.index, final, completion))
+        try:
+            for i, (first, stream) in enumerate(started):
+                final = None
+                async for output in self.rest(first, stream, deadline):
+                    final = output
+                prompt_tokens += len(final.prompt_token_ids)
+                for completion in final.outputs:
+                    self.record(final, len(completion.token_ids), completion.finish_reason)
+                    if request.max_tokens != 0:
+                        completion_tokens += len(completion.token_ids)
+                    choices.append(self._choice(request, i * request.n + completion.index, final, completion))
+        finally:  # past the deadline, the prompts not yet read are aborted too
+            for _, stream in started:
+                await stream.aclose()
         choices.sort(key=lambda c: c["index"])
         totals = usage(prompt_tokens, completion_tokens)
         return {
@@ -164,14 +186,16 @@ class ServingCompletion(OpenAIServing):
             "usage": totals,
         }
 
-    async def _stream(self, request: CompletionRequest, request_id: str, started) -> AsyncIterator[str]:
+    async def _stream(
+        self, request: CompletionRequest, request_id: str, started, deadline: float | None
+    ) -> AsyncIterator[str]:
         created = now()
         counts: dict[int, int] = {}
         offsets: dict[int, int] = {}
         prompt_tokens = 0
 
         async def tagged(i: int, first: RequestOutput, stream) -> AsyncIterator[tuple[int, RequestOutput]]:
-            async for output in self.rest(first, stream):
+            async for output in self.rest(first, stream, deadline):
                 yield i, output
 
         chunk = functools.partial(self.stream_chunk, request_id, "text_completion", created)
