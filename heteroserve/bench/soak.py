@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import signal
@@ -293,6 +294,7 @@ def settle(servers: list[SoakServer], timeout: float = 30) -> list[dict[str, flo
 
 
 def run_soak(args) -> dict:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the report
     folder = Path(tempfile.mkdtemp(prefix="heteroserve-soak-"))
     servers = [SoakServer(f"server-{i}", args.model) for i in range(args.servers)]
     config_path = folder / "gateway.yaml"

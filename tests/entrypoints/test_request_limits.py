@@ -16,21 +16,11 @@ import pytest
 
 from heteroserve import SamplingParams
 from tests.entrypoints.server_process import ServerProcess
+from tests.entrypoints.test_request_surface import _error
+from tests.entrypoints.test_structured_server import WEATHER
 
 HI = [{"role": "user", "content": "hi"}]
 TOOLS_TEMPLATE = (Path(__file__).parent / "templates" / "chatml_tools.jinja").read_text()
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city"],
-        },
-    },
-}
 # 2 * 10**8 empty iterations: minutes of rendering, with nothing to show for it.
 NESTED_LOOPS = "{% for i in range(20000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}"
 TEMPLATE_TIMEOUT = 3.0
@@ -53,16 +43,6 @@ def limits_server():
 
 def _post(server: ServerProcess, path: str, body: dict, timeout: float = 120) -> httpx.Response:
     return httpx.post(f"{server.base_url}{path}", json=body, timeout=timeout)
-
-
-def _error(response: httpx.Response, status: int, param: str | None = None) -> dict:
-    """OpenAI's error shape with this status; the param, when given, is named in it and in the message."""
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
-    if param is not None:
-        assert error["param"] == param and param in error["message"], error
-    return error
 
 
 def _idle(server: ServerProcess, timeout: float = 10) -> dict[str, float]:

@@ -36,9 +36,8 @@ def media_dir(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="module")
-def vl_server(tiny, media_dir):
-    process = ServerProcess(
+def tiny_flags(tiny) -> list[str]:
+    return [
         str(tiny.folder),
         "--dtype",
         "float32",
@@ -46,6 +45,13 @@ def vl_server(tiny, media_dir):
         "512",
         "--kv-cache-memory-bytes",
         str(16 * 1024**2),
+    ]
+
+
+@pytest.fixture(scope="module")
+def vl_server(tiny, media_dir):
+    process = ServerProcess(
+        *tiny_flags(tiny),
         "--limit-mm-per-prompt",
         "image=2",
         "--max-image-pixels",
@@ -66,13 +72,7 @@ def vl_server(tiny, media_dir):
 def public_media_server(tiny):
     """Remote media on, no domains named: only hosts with public addresses, so nothing on this machine."""
     process = ServerProcess(
-        str(tiny.folder),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--kv-cache-memory-bytes",
-        str(16 * 1024**2),
+        *tiny_flags(tiny),
         "--allow-remote-media",
         *REMOTE_MEDIA_LIMITS,
     )
