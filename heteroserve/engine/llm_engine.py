@@ -5,13 +5,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from heteroserve.config import REASONING_END_MARKERS, EngineConfig
 from heteroserve.core.kv_cache_manager import KVCacheManager
 from heteroserve.core.ngram_proposer import NgramProposer
 from heteroserve.core.request import Request, RequestStatus
-from heteroserve.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from heteroserve.core.scheduler import Scheduler, SchedulerStats
 from heteroserve.engine.output_processor import OutputProcessor, ParentRequest
 from heteroserve.executor import make_executor
 from heteroserve.multimodal.inputs import MultimodalInputs
@@ -57,7 +56,6 @@ class LLMEngine:
             )
         self._children: dict[str, list[str]] = {}  # user request id -> engine request ids (n > 1)
         self._structured: StructuredOutputManager | None = None  # built by the first request with a grammar
-        self._mask_thread: ThreadPoolExecutor | None = None
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, reported by the next step
         tokens = info.num_blocks * config.cache.block_size
         parallel = config.parallel
@@ -218,7 +216,6 @@ class LLMEngine:
                 raise ValueError("structured outputs need the model's tokenizer, and this model has none")
             eos = [t for t in [self.eos_token_id, *self.extra_eos_token_ids] if t is not None]
             self._structured = StructuredOutputManager(GrammarCompiler(self.tokenizer, self.vocab_size, eos))
-            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
         return self._structured.compiler.grammar(params.structured_outputs)
 
     def _reasoning_end(self, text: str | None, token_ids: list[int]) -> list[int] | None:
@@ -260,14 +257,12 @@ class LLMEngine:
         if not scheduled.scheduled:
             return outputs
         if self._structured is not None:
-            self._start_bitmasks(scheduled)
+            # The grammars' masks are computed while the model runs; the sampler waits for them.
+            sampling = [item.request.request_id for item in scheduled.scheduled if item.samples]
+            scheduled.token_bitmasks = self._structured.start_bitmasks(sampling)
         results = self.executor.execute(scheduled)
         known = {item.request.request_id: item.request.num_tokens for item in scheduled.scheduled}
         self.scheduler.update_from_output(scheduled, {rid: r.token_ids for rid, r in results.items() if r.token_ids})
-        if self._structured is not None:
-            for item in scheduled.scheduled:
-                rid = item.request.request_id
-                self._structured.advance(rid, item.request.token_ids[known[rid] :])
         for item in scheduled.scheduled:
             request = item.request
             rid = request.request_id
@@ -277,6 +272,8 @@ class LLMEngine:
             appended = request.num_tokens - known[rid]  # fewer than sampled where a stop rule ended the request
             if appended == 0:
                 continue
+            if self._structured is not None:
+                self._structured.advance(rid, request.token_ids[known[rid] :])
             for i in range(appended):
                 num_output = known[rid] + i + 1 - request.num_prompt_tokens
                 if self.outputs.add_token(rid, result.token_ids[i], result.logprobs[i], num_output):
@@ -292,13 +289,6 @@ class LLMEngine:
                 if output.finished:
                     self._forget_parent(output.request_id)
         return outputs
-
-    def _start_bitmasks(self, scheduled: SchedulerOutput) -> None:
-        """The grammars' masks of the requests that sample this step, computed in a thread while the model runs
-        (llguidance leaves the GIL); the sampler waits for them."""
-        ids = [item.request.request_id for item in scheduled.scheduled if item.samples]
-        if any(rid in self._structured for rid in ids):
-            scheduled.token_bitmasks = self._mask_thread.submit(self._structured.bitmasks, ids)
 
     def _release(self, request_id: str) -> None:
         self.executor.release(request_id)
@@ -329,5 +319,5 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stops the workers (worker processes or Ray actors); the engine cannot step afterwards."""
         self.executor.shutdown()
-        if self._mask_thread is not None:
-            self._mask_thread.shutdown(wait=False)
+        if self._structured is not None:
+            self._structured.shutdown()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import llguidance
@@ -38,6 +39,8 @@ class StructuredOutputManager:
         self._width = llguidance.numpy.get_bitmask_shape(1, compiler.tokenizer.vocab_size)[1]
         # Masks of a step are computed on every core, outside the GIL: ~0.2 ms each for a JSON string's wide mask.
         self._executor = llguidance.LLExecutor(num_threads=len(os.sched_getaffinity(0)))
+        # ... from a thread of their own, so that they overlap the model's step (llguidance leaves the GIL).
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -49,6 +52,15 @@ class StructuredOutputManager:
 
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+
+    def start_bitmasks(self, request_ids: list[str]) -> Future[dict[str, np.ndarray]] | None:
+        """`bitmasks` computed in the background; None when none of these requests is constrained."""
+        if not any(rid in self._requests for rid in request_ids):
+            return None
+        return self._thread.submit(self.bitmasks, request_ids)
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=False)
 
     def bitmasks(self, request_ids: list[str]) -> dict[str, np.ndarray]:
         """The next-token bitmask (int32 row) of each listed request that is constrained now (not reasoning).
