@@ -7,14 +7,10 @@ of a stream always add up to the non-streamed message.
 from __future__ import annotations
 
 import json
-import uuid
 
 from heteroserve.entrypoints.openai.reasoning_parsers import reasoning_parser
 from heteroserve.entrypoints.openai.tool_parsers import tool_parser
-
-
-def tool_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+from heteroserve.entrypoints.openai.tool_parsers.base import ToolCall, new_tool_call_id
 
 
 class NamedCallOutput:
@@ -28,9 +24,7 @@ class NamedCallOutput:
         deltas = []
         if self.calls == 0:
             self.calls = 1
-            head = {"index": 0, "id": tool_call_id(), "type": "function", "function": {"name": self.name}}
-            head["function"]["arguments"] = ""
-            deltas.append({"tool_calls": [head]})
+            deltas.append({"tool_calls": [{"index": 0, **ToolCall(new_tool_call_id(), self.name, "").to_openai()}]})
         if text:
             deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
         return deltas
@@ -58,22 +52,8 @@ class RequiredCallsOutput:
         except json.JSONDecodeError:
             return [{"content": self.text}] if self.text else []
         self.calls = len(calls)
-        return [
-            {
-                "tool_calls": [
-                    {
-                        "index": i,
-                        "id": tool_call_id(),
-                        "type": "function",
-                        "function": {
-                            "name": call["name"],
-                            "arguments": json.dumps(call["arguments"], ensure_ascii=False),
-                        },
-                    }
-                ]
-            }
-            for i, call in enumerate(calls)
-        ]
+        found = [ToolCall(new_tool_call_id(), c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls]
+        return [{"tool_calls": [{"index": i, **call.to_openai()}]} for i, call in enumerate(found)]
 
 
 class AutoCallsOutput:
