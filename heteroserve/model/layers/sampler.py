@@ -1,5 +1,5 @@
-"""Turns float32 logits into next tokens: logit_bias, allowed and banned tokens, penalties, temperature,
-top-k/top-p/min-p, seeded draws.
+"""Turns float32 logits into next tokens: logit_bias, allowed and banned tokens, a structured output's grammar mask,
+penalties, temperature, top-k/top-p/min-p, seeded draws.
 
 Each request draws from its own `torch.Generator`, so a seeded request gives the same tokens whatever
 else shares its batch. Logprobs are those of the raw model output (before any of the rules above), vLLM's
