@@ -66,6 +66,27 @@ def test_auto_tool_calls_are_parsed_and_stream_the_same(client):
     assert TOOLS["get_weather"]["required"] == sorted(arguments)
 
 
+def test_auto_keeps_one_call_without_parallel_tool_calls(client):
+    """The model writes two calls; with parallel_tool_calls false only the first is returned, whole or streamed."""
+    two_calls = HERMES_CALL + r"\n" + HERMES_CALL.removeprefix(r"I will look it up\.\n")
+    kwargs = dict(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        temperature=0,
+        max_tokens=120,
+        extra_body={"structured_outputs": {"regex": two_calls}, "chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert len(client.chat.completions.create(**kwargs).choices[0].message.tool_calls) == 2
+    single = client.chat.completions.create(**kwargs, parallel_tool_calls=False).choices[0]
+    assert len(single.message.tool_calls) == 1 and single.finish_reason == "tool_calls"
+    _, calls, finish = reassemble(client.chat.completions.create(**kwargs, parallel_tool_calls=False, stream=True))
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (single.message.tool_calls[0].function.name, single.message.tool_calls[0].function.arguments)
+    ]
+
+
 def test_auto_without_a_call_is_plain_content(client):
     reply = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=12,

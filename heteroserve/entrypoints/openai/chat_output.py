@@ -57,20 +57,28 @@ class RequiredCallsOutput:
 
 
 class AutoCallsOutput:
-    """tool_choice "auto": the model decides; the server's --tool-call-parser finds its calls in the text."""
+    """tool_choice "auto": the model decides; the server's --tool-call-parser finds its calls in the text. With
+    parallel_tool_calls false, calls after the first are left out."""
 
-    def __init__(self, parser_name: str) -> None:
+    def __init__(self, parser_name: str, parallel: bool) -> None:
         self.stream = tool_parser(parser_name)().stream()
+        self.parallel = parallel
 
     @property
     def calls(self) -> int:
-        return len(self.stream.tool_calls)
+        found = len(self.stream.tool_calls)
+        return found if self.parallel else min(found, 1)
 
     def feed(self, text: str) -> list[dict]:
-        return self.stream.feed(text)
+        return self._allowed(self.stream.feed(text))
 
     def finish(self) -> list[dict]:
-        return self.stream.finish()
+        return self._allowed(self.stream.finish())
+
+    def _allowed(self, deltas: list[dict]) -> list[dict]:
+        if self.parallel:
+            return deltas
+        return [d for d in deltas if "tool_calls" not in d or d["tool_calls"][0]["index"] == 0]
 
 
 class PlainOutput:

@@ -247,7 +247,7 @@ class ServingChat(OpenAIServing):
                     'function, or "none"',
                     "tool_choice",
                 )
-            return functools.partial(AutoCallsOutput, parser), None
+            return functools.partial(AutoCallsOutput, parser, request.parallel_tool_calls), None
         if choice == "required":
             schema = required_calls_schema(request.tools, request.parallel_tool_calls)
             return RequiredCallsOutput, StructuredOutputsParams(json=schema)
