@@ -14,6 +14,11 @@ QUANTIZATIONS = (None, "none", "gguf", "gptq", "awq", "int4", "int8")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 # --reasoning-parser: the text that closes a reasoning model's thinking, after which structured outputs apply.
 REASONING_END_MARKERS = {"qwen3": "</think>", "deepseek_r1": "</think>"}
+# --runner: "generate" (text out), "pooling" (embeddings and scores out), "auto": what the checkpoint is
+# (a sentence-transformers folder, an encoder or a *ForSequenceClassification model pools; the rest generates).
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TYPES = ("CLS", "MEAN", "LAST")
+POOLING_BATCHED_TOKENS = 8192
 
 
 @dataclass
@@ -24,8 +29,26 @@ class ModelConfig:
     seed: int = 0
     quantization: str | None = None
     generation_config: str = "auto"  # "auto": the checkpoint's generation_config.json; "vllm": none
+    runner: str = "auto"
+    # Pooling models: overrides of what the checkpoint says, vLLM's --pooler-config keys ("pooling_type": CLS,
+    # MEAN or LAST; "normalize": bool).
+    pooler_config: dict | None = None
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if self.pooler_config is not None:
+            unknown = set(self.pooler_config) - {"pooling_type", "normalize"}
+            if unknown:
+                raise ValueError(
+                    f"unknown pooler_config keys: {', '.join(sorted(unknown))} (known: pooling_type, normalize)"
+                )
+            kind = self.pooler_config.get("pooling_type")
+            if kind is not None and kind not in POOLING_TYPES:
+                raise ValueError(f"pooler_config pooling_type must be one of {', '.join(POOLING_TYPES)}, got {kind!r}")
+            normalize = self.pooler_config.get("normalize")
+            if normalize is not None and not isinstance(normalize, bool):
+                raise ValueError(f"pooler_config normalize must be true or false, got {normalize!r}")
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -75,10 +98,15 @@ class SchedulerConfig:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
-    def finalize(self, max_model_len: int) -> None:
+    def finalize(self, max_model_len: int, pooling: bool = False) -> None:
+        """Pooling models compute each input whole in one step, so their default budget fits the longest input
+        (and at least 8192 tokens: more inputs per step, fewer steps)."""
         self.max_model_len = max_model_len
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max_model_len
+            if pooling:
+                self.max_num_batched_tokens = max(POOLING_BATCHED_TOKENS, max_model_len)
+            else:
+                self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max_model_len
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "

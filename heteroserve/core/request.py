@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from heteroserve.pooling_params import PoolingParams
 from heteroserve.sampling_params import SamplingParams
 
 
@@ -61,6 +62,9 @@ class Request:
     image_placeholders: list[ImagePlaceholder] = field(default_factory=list)
     multimodal: object | None = None  # the images as the model runner consumes them (opaque to the core)
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens to check in the next step
+    # A pooling model's request: computed whole in one step, then finished with its pooled result; no output tokens.
+    pooling_params: PoolingParams | None = None
+    token_type_ids: list[int] | None = None  # a cross-encoder's text-pair segments (BERT's token types)
     token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -2,7 +2,9 @@
 
 Each request tracks how many of its tokens have KV computed; every step hands out up to
 `max_num_batched_tokens` new tokens to running requests first, then to waiting ones. A prompt larger than
-what is left of the budget is cut into chunks (chunked prefill), so prompt chunks and decodes share a step.
+what is left of the budget is cut into chunks (chunked prefill), so prompt chunks and decodes share a step; a
+pooling model's request is never cut (a bidirectional encoder and CLS / mean pooling need all its tokens at once)
+and finishes in the step that computes it.
 When KV blocks run out, the least urgent running request is preempted: its blocks are freed and it is
 recomputed later from its tokens so far. With speculative decoding, a decoding request also computes its draft
 tokens in the step; the drafts the model confirms are kept and the KV slots of the rest are written over later.
@@ -144,7 +146,8 @@ class Scheduler:
                 preempt(victim)
             cached_blocks, num_cached = self.kv_cache.find_cached_prefix(request)
             num_new = request.num_tokens - num_cached
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            whole = request.pooling_params is not None or not self.config.enable_chunked_prefill
+            if whole and num_new > budget:  # a pooling request needs all its tokens in one step
                 break
             num_new = min(num_new, budget)
             if not self.kv_cache.allocate_slots(request, num_new, cached_blocks):
@@ -176,6 +179,11 @@ class Scheduler:
         for item in output.scheduled:
             request = item.request
             if request.status != RequestStatus.RUNNING:
+                continue
+            if request.pooling_params is not None:  # its whole prompt ran: the pooled result is its output
+                request.num_computed_tokens += item.num_new_tokens
+                self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                finished.append(request)
                 continue
             tokens = sampled.get(request.request_id, [])
             accepted = max(len(tokens) - 1, 0)

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from heteroserve.config import EngineConfig
 from heteroserve.engine.llm_engine import LLMEngine, PromptInput
-from heteroserve.outputs import RequestOutput
+from heteroserve.outputs import PoolingRequestOutput, RequestOutput
+from heteroserve.pooling_params import PoolingParams
 from heteroserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class EngineDeadError(RuntimeError):
 class _Add:
     request_id: str
     prompt: PromptInput
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     priority: int
     accepted: asyncio.Future
     outputs: asyncio.Queue
@@ -89,15 +90,16 @@ class AsyncLLMEngine:
         self,
         request_id: str,
         prompt: PromptInput,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         on_running: Callable[[], None] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """Queues a request and yields its outputs; a bad request raises ValueError before the first yield.
 
         Leaving early, however it happens (the iterator closed or cancelled while the engine is still to accept
         the request, or at any later point), aborts the request and frees its blocks. `on_running` is called on
         this event loop once the engine first schedules the request (`LLMEngine.is_waiting` turns false).
+        With PoolingParams (a pooling model) it yields one PoolingRequestOutput.
         """
         if not self.is_alive:
             raise EngineDeadError(f"the engine loop is not running: {self.dead_error!r}")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 
@@ -16,7 +18,8 @@ from heteroserve.executor import make_executor
 from heteroserve.multimodal.inputs import MultimodalInputs
 from heteroserve.multimodal.media import ImageError, MediaPolicy
 from heteroserve.multimodal.processor import ImageInputProcessor
-from heteroserve.outputs import RequestOutput
+from heteroserve.outputs import PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
+from heteroserve.pooling_params import PoolingParams
 from heteroserve.sampling_params import SamplingParams
 from heteroserve.structured_output.grammar_compiler import GrammarCompiler
 from heteroserve.structured_output.manager import StructuredOutputManager
@@ -42,8 +45,15 @@ class LLMEngine:
         self.sampling_defaults = info.sampling_defaults
         self.vocab_size = info.vocab_size
         self.weight_bytes = info.weight_bytes
-        config.scheduler.finalize(info.max_model_len)
-        kv_cache = KVCacheManager(info.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.task = info.task
+        self.pooler_spec = info.pooler_spec
+        pooling = self.pooler_spec is not None
+        if pooling and config.speculative is not None:
+            raise ValueError("speculative decoding is for text generation; a pooling model generates no tokens")
+        config.scheduler.finalize(info.max_model_len, pooling)
+        # A pooling request's hidden states are all needed (and an encoder's keys are bidirectional): no prefix reuse.
+        prefix_caching = config.cache.enable_prefix_caching and not pooling
+        kv_cache = KVCacheManager(info.num_blocks, config.cache.block_size, prefix_caching)
         proposer = NgramProposer(config.speculative) if config.speculative is not None else None
         self.scheduler = Scheduler(config.scheduler, kv_cache, proposer)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -57,8 +67,25 @@ class LLMEngine:
         self._children: dict[str, list[str]] = {}  # user request id -> engine request ids (n > 1)
         self._structured: StructuredOutputManager | None = None  # built by the first request with a grammar
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, reported by the next step
+        self._pooling_prompts: dict[str, str | None] = {}  # queued pooling requests -> their prompt text
+        self._truncating_tokenizer = None  # a copy of the tokenizer for truncating calls (see _tokenize)
+        self._truncation_lock = threading.Lock()
         tokens = info.num_blocks * config.cache.block_size
         parallel = config.parallel
+        if pooling:
+            spec = self.pooler_spec
+            logger.info(
+                "model %s on %s (%s): pooling model, task %s (%s pooling%s), max_model_len=%d, %d tokens per step",
+                self.model_name,
+                self.platform.name,
+                str(self.dtype).removeprefix("torch."),
+                spec.task,
+                spec.pooling_type,
+                ", normalised" if spec.normalize and spec.task == "embed" else "",
+                self.max_model_len,
+                config.scheduler.max_num_batched_tokens,
+            )
+            return
         logger.info(
             "model %s on %s x%d (tp=%d, pp=%d, %s): KV cache (%s) of %d blocks x %d tokens = %d tokens, "
             "%.1fx concurrency at max_model_len=%d",
@@ -93,18 +120,54 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt)
         return None, [int(t) for t in prompt]
 
+    def tokenize_pair(self, text_1: str, text_2: str, truncate_prompt_tokens: int | None = None) -> dict[str, object]:
+        """A cross-encoder's prompt for a text pair: the tokenizer's pair template, with BERT's token types."""
+        if self.tokenizer is None:
+            raise ValueError("scoring text pairs needs the model's tokenizer, and this model has none")
+        if self.pooler_spec is not None and self.pooler_spec.lowercase:
+            text_1, text_2 = text_1.lower(), text_2.lower()
+        encoded = self._tokenize(text_1, text_2, truncate_prompt_tokens=truncate_prompt_tokens)
+        pair = {"prompt": f"{text_1}\n{text_2}", "prompt_token_ids": list(encoded["input_ids"])}
+        if "token_type_ids" in encoded:
+            pair["token_type_ids"] = list(encoded["token_type_ids"])
+        return pair
+
+    def _tokenize(self, *texts: str, truncate_prompt_tokens: int | None) -> Mapping[str, list[int]]:
+        """The tokenizer's encoding of one text or a pair, truncated as the tokenizer truncates (its side, its
+        special tokens kept). Truncating switches a setting inside a fast tokenizer, which must not happen while
+        another thread encodes with it (the server tokenizes in threads of its own), so truncation runs on a
+        private copy, one call at a time."""
+        if truncate_prompt_tokens is None:
+            return self.tokenizer(*texts)
+        limit = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        with self._truncation_lock:
+            if self._truncating_tokenizer is None:
+                self._truncating_tokenizer = copy.deepcopy(self.tokenizer)
+            return self._truncating_tokenizer(*texts, truncation=True, max_length=limit)
+
+    def _truncate_ids(self, ids: list[int] | None, truncate_prompt_tokens: int | None) -> list[int] | None:
+        """Token ids cut to truncate_prompt_tokens (-1: max_model_len) on the tokenizer's truncation side."""
+        if ids is None or truncate_prompt_tokens is None:
+            return ids
+        limit = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        left = self.tokenizer is not None and self.tokenizer.truncation_side == "left"
+        return ids[-limit:] if left else ids[:limit]
+
     def add_request(
         self,
         request_id: str,
         prompt: PromptInput,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> None:
         """Validates and queues a request; a bad request raises ValueError and leaves the others untouched.
 
         Every check, each n > 1 sample's included, runs before anything is queued, so a refused request leaves
-        no part of itself behind to run."""
+        no part of itself behind to run. A pooling model takes PoolingParams, a generating one SamplingParams."""
+        if self.pooler_spec is not None or isinstance(params, PoolingParams):
+            self._add_pooling_request(request_id, prompt, params, priority, arrival_time)
+            return
         params = params or self.default_sampling_params()
         text, token_ids = self.tokenize_prompt(prompt)
         token_ids, multimodal = self._process_images(prompt, token_ids)
@@ -129,6 +192,66 @@ class LLMEngine:
                 self._structured.add(request.request_id, grammar, reasoning_end)
         if parent is not None:
             self._children[request_id] = [r.request_id for r in requests]
+
+    def _add_pooling_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | PoolingParams | None,
+        priority: int,
+        arrival_time: float | None,
+    ) -> None:
+        if self.pooler_spec is None:
+            raise ValueError(f"{self.model_name} generates text (task generate): it does not pool (embed or score)")
+        if not isinstance(params, PoolingParams):
+            raise ValueError(
+                f"{self.model_name} is a pooling model (task {self.task}): it takes PoolingParams, not SamplingParams"
+            )
+        self.pooler_spec.check(params)
+        token_type_ids = None
+        if self.pooler_spec.lowercase:  # as sentence-transformers does before tokenizing
+            if isinstance(prompt, str):
+                prompt = prompt.lower()
+            elif (
+                isinstance(prompt, Mapping)
+                and "prompt_token_ids" not in prompt
+                and isinstance(prompt.get("prompt"), str)
+            ):
+                prompt = {**prompt, "prompt": prompt["prompt"].lower()}
+        if isinstance(prompt, Mapping):
+            token_type_ids = prompt.get("token_type_ids")
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "token_type_ids"}
+            if unknown:
+                raise ValueError(f"a pooling prompt takes no {', '.join(sorted(unknown))}")
+        truncate = params.truncate_prompt_tokens
+        if isinstance(prompt, str) and truncate is not None and self.tokenizer is not None:
+            text, token_ids = prompt, list(self._tokenize(prompt, truncate_prompt_tokens=truncate)["input_ids"])
+        else:
+            text, token_ids = self.tokenize_prompt(prompt)
+            token_ids = self._truncate_ids(token_ids, truncate)
+            token_type_ids = self._truncate_ids(token_type_ids, truncate)
+        if token_type_ids is not None:
+            token_type_ids = [int(t) for t in token_type_ids]
+            if len(token_type_ids) != len(token_ids):
+                raise ValueError(f"token_type_ids has {len(token_type_ids)} entries for {len(token_ids)} prompt tokens")
+        self._validate(request_id, token_ids, SamplingParams(max_tokens=1))
+        budget = self.config.scheduler.max_num_batched_tokens
+        if len(token_ids) > budget:
+            raise ValueError(
+                f"the input has {len(token_ids)} tokens, more than max_num_batched_tokens={budget} (a pooling "
+                "model computes an input in one step)"
+            )
+        request = Request(
+            request_id,
+            token_ids,
+            SamplingParams(max_tokens=1),
+            priority=priority,
+            arrival_time=arrival_time or time.time(),
+            pooling_params=params,
+            token_type_ids=token_type_ids,
+        )
+        self.scheduler.add_request(request)
+        self._pooling_prompts[request_id] = text
 
     def _samples(
         self,
@@ -234,6 +357,11 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for request_id in ids:
             for engine_id in self._children.get(request_id, [request_id]):
+                if engine_id in self._pooling_prompts:  # a pooling request has no partial result: data None
+                    request = self.scheduler.finish_request(engine_id, RequestStatus.FINISHED_ABORTED)
+                    if request is not None:
+                        self._pending.append(self._pooling_output(request, None))
+                    continue
                 if self.scheduler.finish_request(engine_id, RequestStatus.FINISHED_ABORTED) is not None:
                     self._release(engine_id)
                     output = self.outputs.make_output(engine_id)
@@ -251,7 +379,7 @@ class LLMEngine:
         requests = [self.scheduler.requests.get(i) for i in self._children.get(request_id, [request_id])]
         return all(r is not None and r.first_scheduled_time is None for r in requests)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
@@ -267,6 +395,9 @@ class LLMEngine:
             request = item.request
             rid = request.request_id
             result = results[rid]
+            if request.pooling_params is not None:
+                outputs.append(self._pooling_output(request, result.pooled))
+                continue
             if result.prompt_logprobs:
                 self.outputs.add_prompt_logprobs(rid, result.prompt_logprobs)
             appended = request.num_tokens - known[rid]  # fewer than sampled where a stop rule ended the request
@@ -289,6 +420,22 @@ class LLMEngine:
                 if output.finished:
                     self._forget_parent(output.request_id)
         return outputs
+
+    def _pooling_output(self, request: Request, pooled) -> PoolingRequestOutput:
+        self._release(request.request_id)
+        metrics = RequestMetrics(
+            request.arrival_time,
+            request.first_scheduled_time,
+            request.finished_time,
+            request.finished_time,
+        )
+        return PoolingRequestOutput(
+            request.request_id,
+            request.prompt_token_ids,
+            PoolingOutput(pooled),
+            prompt=self._pooling_prompts.pop(request.request_id, None),
+            metrics=metrics,
+        )
 
     def _release(self, request_id: str) -> None:
         self.executor.release(request_id)

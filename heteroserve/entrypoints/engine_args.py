@@ -8,6 +8,7 @@ import json
 from heteroserve.config import (
     KV_CACHE_DTYPES,
     REASONING_END_MARKERS,
+    RUNNERS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -53,6 +54,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "cache's memory and what decode attention reads, at 16-bit precision for keys and values",
     )
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    group.add_argument(
+        "--runner",
+        default="auto",
+        choices=list(RUNNERS),
+        help="generate (text) or pooling (embeddings, rerank, score); auto: pooling for a sentence-transformers, "
+        "encoder or sequence-classification checkpoint",
+    )
+    group.add_argument(
+        "--pooler-config",
+        type=_pooler_config,
+        default=None,
+        help='a pooling model\'s overrides, e.g. \'{"pooling_type": "MEAN", "normalize": false}\' (CLS, MEAN, LAST)',
+    )
     group.add_argument(
         "--reasoning-parser",
         default=None,
@@ -153,6 +167,17 @@ def _image_limit(value: str) -> int:
         raise argparse.ArgumentTypeError(f"expected image=N, got {value!r} ({exc})") from exc
 
 
+def _pooler_config(value: str) -> dict:
+    try:
+        parsed = json.loads(value)
+        if not isinstance(parsed, dict):
+            raise ValueError("expected a JSON object")
+        ModelConfig(pooler_config=parsed)  # the same checks as the offline API's
+        return parsed
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"invalid pooler config {value!r}: {exc}") from exc
+
+
 def _speculative_config(value: str) -> SpeculativeConfig:
     try:
         parsed = json.loads(value)
@@ -172,6 +197,8 @@ def engine_config_from_args(model: str | None, args: argparse.Namespace) -> Engi
             args.seed,
             args.quantization,
             generation_config=args.generation_config,
+            runner=args.runner,
+            pooler_config=args.pooler_config,
         ),
         cache=CacheConfig(
             args.block_size,

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from heteroserve.config import (
@@ -21,7 +22,17 @@ from heteroserve.config import (
 )
 from heteroserve.engine.llm_engine import LLMEngine, PromptInput
 from heteroserve.multimodal.chat import split_images
-from heteroserve.outputs import RequestOutput
+from heteroserve.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from heteroserve.pooling_params import PoolingParams
 from heteroserve.sampling_params import RequestOutputKind, SamplingParams
 
 Message = dict[str, object]
@@ -60,14 +71,27 @@ class LLM:
         master_port: int | None = None,
         speculative_config: dict | None = None,
         reasoning_parser: str | None = None,
+        runner: str = "auto",
+        pooler_config: dict | None = None,
     ) -> None:
         """limit_mm_per_prompt={"image": N}, mm_processor_kwargs={"min_pixels": ..., "max_pixels": ...} and
         speculative_config={"method": "ngram", "num_speculative_tokens": k} as in vLLM; chat() reads local image
         files only under allowed_local_media_path; with reasoning_parser ("qwen3", "deepseek_r1") structured
-        outputs apply after the model's </think>."""
+        outputs apply after the model's </think>. runner="pooling" (or "auto" on a sentence-transformers, encoder or
+        sequence-classification checkpoint) serves embed / score / classify / encode instead of generate;
+        pooler_config={"pooling_type": "CLS" | "MEAN" | "LAST", "normalize": bool} overrides the checkpoint's."""
         pixels = mm_processor_kwargs or {}
         config = EngineConfig(
-            model=ModelConfig(model, dtype, max_model_len, seed, quantization, generation_config=generation_config),
+            model=ModelConfig(
+                model,
+                dtype,
+                max_model_len,
+                seed,
+                quantization,
+                generation_config=generation_config,
+                runner=runner,
+                pooler_config=pooler_config,
+            ),
             cache=CacheConfig(
                 block_size,
                 kv_cache_memory_bytes,
@@ -125,11 +149,7 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion with continuous batching; outputs come back in prompt order."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
@@ -193,8 +213,99 @@ class LLM:
             prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def encode(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """A pooling model's raw results (`outputs.data`, a float32 tensor) in prompt order, batched as generate is;
+        the default task is the model's (embed for an embedding model, score for a cross-encoder)."""
+        prompts = _as_prompt_list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams(task=self.engine.task if self.engine.task != "generate" else "embed")
+        params = list(pooling_params) if isinstance(pooling_params, Sequence) else [pooling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} pooling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except Exception:
+            self.engine.abort_request(ids)
+            self.engine.step()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embeddings (`outputs.embedding`, a list of floats) of an embedding model, in prompt order."""
+        params = pooling_params or PoolingParams()
+        if params.task != "embed":
+            raise ValueError(f"embed takes PoolingParams(task='embed'), got task {params.task!r}")
+        if truncate_prompt_tokens is not None:
+            params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        return [
+            EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.outputs.data.tolist()))
+            for o in self.encode(prompts, params, use_tqdm)
+        ]
+
+    def classify(
+        self, prompts: PromptInput | Sequence[PromptInput], use_tqdm: bool = True
+    ) -> list[ClassificationRequestOutput]:
+        """A sequence classifier's label probabilities (softmax over its labels), in prompt order."""
+        return [
+            ClassificationRequestOutput(o.request_id, o.prompt_token_ids, ClassificationOutput(o.outputs.data.tolist()))
+            for o in self.encode(prompts, PoolingParams(task="classify"), use_tqdm)
+        ]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Relevance of text pairs: one text against each of several (1 -> N) or pairwise (N -> N), as vLLM pairs
+        them. A cross-encoder reads each pair at once (its score, e.g. sigmoid of the logit); an embedding model
+        embeds both sides and scores their cosine similarity."""
+        first = [data_1] if isinstance(data_1, str) else list(data_1)
+        second = [data_2] if isinstance(data_2, str) else list(data_2)
+        if not first or not second:
+            raise ValueError("score needs at least one text on each side")
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second):
+            raise ValueError(f"score pairs texts one to one or one to many: got {len(first)} and {len(second)} texts")
+        if self.engine.task == "score":
+            prompts = [
+                self.engine.tokenize_pair(a, b, truncate_prompt_tokens) for a, b in zip(first, second, strict=True)
+            ]
+            params = PoolingParams(task="score")
+            return [
+                ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(float(o.outputs.data[0])))
+                for o in self.encode(prompts, params, use_tqdm)
+            ]
+        params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        unique = list(dict.fromkeys(first + second))
+        embedded = dict(zip(unique, self.encode(unique, params, use_tqdm), strict=True))
+        scores = []
+        for a, b in zip(first, second, strict=True):
+            left, right = embedded[a], embedded[b]
+            similarity = torch.nn.functional.cosine_similarity(left.outputs.data, right.outputs.data, dim=0)
+            tokens = left.prompt_token_ids + right.prompt_token_ids
+            scores.append(ScoringRequestOutput(right.request_id, tokens, ScoringOutput(float(similarity))))
+        return scores
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list:
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
@@ -202,3 +313,10 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[i] for i in ids]
+
+
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    """One prompt (text, token ids or a prompt dict) or a sequence of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)

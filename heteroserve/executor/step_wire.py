@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from heteroserve.core.request import Request
 from heteroserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from heteroserve.pooling_params import PoolingParams
 from heteroserve.sampling_params import SamplingParams
 
 
@@ -27,6 +28,8 @@ class ScheduledDelta:
     prompt_token_ids: list[int] | None = None  # the first time only
     sampling_params: SamplingParams | None = None  # the first time only
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens to check this step
+    pooling_params: PoolingParams | None = None  # the first time only
+    token_type_ids: list[int] | None = None  # the first time only
 
 
 @dataclass
@@ -60,6 +63,8 @@ class StepEncoder:
                 request.prompt_token_ids if first else None,
                 request.sampling_params if first else None,
                 item.draft_token_ids,
+                request.pooling_params if first else None,
+                request.token_type_ids if first else None,
             )
             self._sent[request.request_id] = request.num_tokens
             deltas.append(delta)
@@ -79,7 +84,13 @@ class StepDecoder:
         scheduled = []
         for delta in step.scheduled:
             if delta.prompt_token_ids is not None:
-                request = Request(delta.request_id, delta.prompt_token_ids, delta.sampling_params)
+                request = Request(
+                    delta.request_id,
+                    delta.prompt_token_ids,
+                    delta.sampling_params,
+                    pooling_params=delta.pooling_params,
+                    token_type_ids=delta.token_type_ids,
+                )
                 self._requests[delta.request_id] = request
             request = self._requests[delta.request_id]
             request.token_ids.extend(delta.new_token_ids)

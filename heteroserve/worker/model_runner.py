@@ -11,6 +11,7 @@ import torch
 from heteroserve.config import CacheConfig
 from heteroserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from heteroserve.model.layers.attention import build_attention_metadata
+from heteroserve.model.layers.pooler import Pooler
 from heteroserve.model.layers.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_of
 from heteroserve.model.loader import LoadedModel
 from heteroserve.platforms import Platform
@@ -24,6 +25,7 @@ class StepResult:
     token_ids: list[int] = field(default_factory=list)  # sampled: confirmed drafts, then the model's next token
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # one per token (None: not asked for)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for tokens start+1 .. in order
+    pooled: torch.Tensor | None = None  # a pooling model's result: an embedding or scores (float32, CPU)
 
 
 def kv_cache_dtype(name: str, activations: torch.dtype) -> torch.dtype:
@@ -38,6 +40,14 @@ def kv_cache_dtype(name: str, activations: torch.dtype) -> torch.dtype:
             f"{str(activations).removeprefix('torch.')}; use --kv-cache-dtype auto"
         )
     return dtype
+
+
+def pool_step(pooler: Pooler, items: list[ScheduledRequest], hidden: torch.Tensor) -> dict[str, StepResult]:
+    """Each request's pooled result from its rows of `hidden` (a pooling request's rows are its whole prompt, in
+    the order of `items`)."""
+    seq_lens = [item.num_new_tokens for item in items]
+    pooled = pooler.pool(hidden, seq_lens, [item.request.pooling_params for item in items])
+    return {item.request.request_id: StepResult(pooled=p) for item, p in zip(items, pooled, strict=True)}
 
 
 class ModelRunner:
@@ -70,6 +80,7 @@ class ModelRunner:
         )
         self.kv_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
         self.sampler = Sampler(self.model.ops.argmax_rows)
+        self.pooler = loaded.pooler  # a decoder serving embeddings: pooled hidden states instead of tokens
         self.images = ImageInputs(loaded.vision, self.device) if loaded.vision is not None else None
         self._seeds = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -114,6 +125,8 @@ class ModelRunner:
         hidden = self.model(ids, pos, kv, meta, injected)
         if not self.model.parallel.is_last_stage:  # the next pipeline stage carries on
             return {}
+        if self.pooler is not None:
+            return pool_step(self.pooler, items, hidden)
         return self._sample(items, hidden, output)
 
     def _sample(

@@ -16,8 +16,11 @@ from heteroserve.config import EngineConfig
 from heteroserve.core.scheduler import SchedulerOutput
 from heteroserve.distributed.parallel_state import ParallelGroups, init_parallel_groups
 from heteroserve.executor.step_wire import StepDecoder, WireStep
+from heteroserve.model.encoder import EncoderModel
+from heteroserve.model.layers.pooler import PoolerSpec
 from heteroserve.model.loader import load_model
 from heteroserve.platforms import Platform, resolve_platform
+from heteroserve.worker.encoder_runner import EncoderRunner
 from heteroserve.worker.model_runner import ModelRunner, StepResult
 
 
@@ -39,6 +42,8 @@ class ModelInfo:
     weight_bytes: int  # summed over the ranks
     model_folder: Path  # where the checkpoint (and a VL model's image processor config) lives
     vision_language: bool
+    task: str  # "generate", or a pooling model's "embed" / "score"
+    pooler_spec: PoolerSpec | None  # what a pooling model returns and accepts
 
 
 @dataclass
@@ -72,7 +77,12 @@ class Worker:
         sharded = self.groups if parallel.world_size > 1 else None
         loaded = load_model(config.model, self.platform, config.device.kernels, sharded)
         self._decoder = StepDecoder()
-        self.runner = ModelRunner(loaded, self.platform, config.cache, config.model.seed)
+        if isinstance(loaded.model, EncoderModel):
+            self.runner = EncoderRunner(loaded, self.platform, config.cache, config.scheduler)
+            vocab_size = loaded.model.arch.vocab_size
+        else:
+            self.runner = ModelRunner(loaded, self.platform, config.cache, config.model.seed)
+            vocab_size = loaded.model.shard.full_arch.vocab_size
         num_blocks, weight_bytes = self._agree(self.runner.num_blocks, loaded.model.weight_bytes())
         self.info = ModelInfo(
             loaded.source.name,
@@ -84,11 +94,13 @@ class Worker:
             loaded.eos_token_id,
             loaded.extra_eos_token_ids,
             loaded.sampling_defaults,
-            loaded.model.shard.full_arch.vocab_size,
+            vocab_size,
             num_blocks,
             weight_bytes,
             loaded.source.folder,
             loaded.vision is not None,
+            loaded.task,
+            loaded.pooler.spec if loaded.pooler is not None else None,
         )
 
     def _agree(self, num_blocks: int, weight_bytes: int) -> tuple[int, int]:
