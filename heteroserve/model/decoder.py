@@ -45,6 +45,16 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int]:
         return id(tensor), tensor.numel() * tensor.element_size()
 
 
+def stored_weight_bytes(model: nn.Module) -> int:
+    """Bytes of all of a model's weights as stored (compressed ones at their compressed size), each storage counted
+    once: a tied LM head may read the embedding's own tensors."""
+    tensors = list(model.parameters())
+    for module in model.modules():
+        compressed = [v for v in vars(module).values() if hasattr(v, "nbytes") and not isinstance(v, torch.Tensor)]
+        tensors += [t for value in compressed for t in _tensors_of(value)]
+    return sum(dict(_storage(t) for t in tensors).values())
+
+
 def _weight(rows: int, cols: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(rows, cols), requires_grad=False)
 
@@ -123,7 +133,8 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """With a `ModelShard`, the rank's part of the model: `arch` holds its local sizes (see distributed/)."""
+    """With a `ModelShard`, the rank's part of the model: `arch` holds its local sizes (see distributed/).
+    lm_head=False: an embedding model's decoder (its hidden states are pooled), with no LM head to load or prepare."""
 
     def __init__(
         self,
@@ -132,6 +143,7 @@ class DecoderModel(nn.Module):
         max_positions: int,
         ops: OperatorTable,
         shard: ModelShard | None = None,
+        lm_head: bool = True,
     ) -> None:
         super().__init__()
         self.shard = shard or ModelShard.whole(arch)
@@ -143,7 +155,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(arch, self.ops, self.parallel) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.ops)
-        self.lm_head = None if arch.tie_word_embeddings else _weight(arch.vocab_size, arch.hidden_size)
+        self.has_lm_head = lm_head
+        self.lm_head = None if arch.tie_word_embeddings or not lm_head else _weight(arch.vocab_size, arch.hidden_size)
         self.rotary = rotary_embedding(hf_config.get_text_config(), arch.head_dim, max_positions, self.ops)
 
     def prepare_weights(self) -> None:
@@ -156,9 +169,10 @@ class DecoderModel(nn.Module):
                 (layer, "down_proj"),
             ):
                 self._prepare(owner, name, getattr(owner, name))
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        # A tied head gets its own prepared copy: the embedding lookup needs the plain layout.
-        self._prepare(self, "lm_head", head, self.linear.prepare_lm_head)
+        if self.has_lm_head:
+            head = self.embed_tokens if self.lm_head is None else self.lm_head
+            # A tied head gets its own prepared copy: the embedding lookup needs the plain layout.
+            self._prepare(self, "lm_head", head, self.linear.prepare_lm_head)
         # The fused layer does what forward does with one rank and plain (not M-RoPE) rotary.
         plain = type(self.rotary) is RotaryEmbedding and self.parallel.tp_size == 1
         if plain and self.ops.fuse_decode_layer is not None:
@@ -175,13 +189,8 @@ class DecoderModel(nn.Module):
             setattr(owner, name, prepared)
 
     def weight_bytes(self) -> int:
-        """Bytes of all weights as stored (compressed ones at their compressed size), each storage counted
-        once: a tied LM head may read the embedding's own tensors."""
-        tensors = list(self.parameters())
-        for module in self.modules():
-            compressed = [v for v in vars(module).values() if hasattr(v, "nbytes") and not isinstance(v, torch.Tensor)]
-            tensors += [t for value in compressed for t in _tensors_of(value)]
-        return sum(dict(_storage(t) for t in tensors).values())
+        """Bytes of all weights as stored (stored_weight_bytes)."""
+        return stored_weight_bytes(self)
 
     def forward(
         self,
@@ -231,5 +240,7 @@ class DecoderModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits for the given rows only (the LM head runs just where tokens are sampled).
         With tensor parallelism they are gathered on the sampling rank; the other ranks get None."""
+        if not self.has_lm_head:
+            raise RuntimeError("this decoder was built for embeddings, without an LM head")
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return self.parallel.gather_vocab(self.linear(hidden, head).float(), self.shard.full_arch.vocab_size)

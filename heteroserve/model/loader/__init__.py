@@ -16,7 +16,19 @@ from heteroserve.distributed.parallel_state import ParallelGroups
 from heteroserve.distributed.sharding import ModelShard
 from heteroserve.model.arch import VISION_LANGUAGE, ModelArch
 from heteroserve.model.decoder import DecoderModel
+from heteroserve.model.encoder import ENCODER_TYPES, EncoderArch, EncoderModel
+from heteroserve.model.layers.pooler import Pooler
+from heteroserve.model.loader.encoder_weights import ENCODER_PROJECTIONS, load_encoder_weights
 from heteroserve.model.loader.gguf_loader import gguf_config, iterate_gguf, open_gguf
+from heteroserve.model.loader.pooling_checkpoint import (
+    SentenceTransformersConfig,
+    build_pooler,
+    decoder_pooling_tensors,
+    decoder_score_head,
+    default_max_model_len,
+    model_task,
+    read_sentence_transformers,
+)
 from heteroserve.model.loader.safetensors_loader import iterate_safetensors
 from heteroserve.model.loader.source import ModelSource, resolve_model
 from heteroserve.model.loader.weights import load_weights, quantize_projections
@@ -41,7 +53,7 @@ _GENERATION_DEFAULTS = {
 @dataclass
 class LoadedModel:
     source: ModelSource
-    model: DecoderModel
+    model: DecoderModel | EncoderModel
     hf_config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase | None
     dtype: torch.dtype
@@ -50,6 +62,8 @@ class LoadedModel:
     extra_eos_token_ids: list[int] = field(default_factory=list)
     sampling_defaults: dict[str, object] = field(default_factory=dict)
     vision: VisionEncoder | None = None  # the image encoder of a vision-language model
+    task: str = "generate"  # "generate", or a pooling model's "embed" / "score"
+    pooler: Pooler | None = None  # a pooling model's head (pooler.spec: what it returns and accepts)
 
 
 def load_model(
@@ -58,7 +72,10 @@ def load_model(
     """The model, or with `parallel` this rank's share of it (sliced as the checkpoint streams in)."""
     source = resolve_model(config.model)
     quantization = config.quantization
+    st = None
     if source.gguf_file is not None:
+        if config.runner == "pooling":
+            raise ValueError(f"--runner pooling: {source.gguf_file.name} is a GGUF file, and GGUF models only generate")
         if quantization in ("int4", "int8"):
             raise ValueError(
                 f"--quantization {quantization} is for float checkpoints; this GGUF file is already quantised"
@@ -75,20 +92,37 @@ def load_model(
         except (ValueError, OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{source.folder}/config.json is not a usable model config: {exc}") from exc
         checkpoint_dtype = _config_dtype(hf_config)
+        st = read_sentence_transformers(source.folder)
+    task = "generate" if source.gguf_file is not None else model_task(hf_config, st, config.runner)
+    if task != "generate" and parallel is not None and parallel.world_size > 1:
+        raise ValueError(
+            f"tensor / pipeline parallelism ({parallel.tp_size} x {parallel.pp_size} ranks): pooling models run on "
+            "one rank; drop --tensor-parallel-size / --pipeline-parallel-size"
+        )
+    if task != "generate" and hf_config.model_type in VISION_LANGUAGE:
+        raise ValueError(f"pooling with a vision-language model ({hf_config.model_type}) is not supported")
+    if hf_config.model_type in ENCODER_TYPES:
+        return _load_encoder(source, config, hf_config, st, task, checkpoint_dtype, platform, kernels)
+    if source.gguf_file is None:
         tensors = _checkpoint_tensors(source.folder, hf_config, quantization)
     arch = ModelArch.from_hf_config(hf_config)
     vision_tensors: dict[str, torch.Tensor] = {}
     if hf_config.model_type in VISION_LANGUAGE:
         tensors = split_vision_tensors(tensors, vision_tensors)
     dtype = platform.resolve_dtype(config.dtype, checkpoint_dtype)
-    max_model_len = config.max_model_len or arch.max_position_embeddings
+    max_model_len = config.max_model_len or default_max_model_len(st, arch.max_position_embeddings)
     if max_model_len > arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's %d positions", max_model_len, arch.max_position_embeddings)
     ops = platform.operator_table(dtype, kernels)
     shard = ModelShard.of(arch, parallel) if parallel is not None else None
     if shard is not None:
         tensors = shard.take(tensors)
-    model = DecoderModel(arch, hf_config, max(max_model_len, arch.max_position_embeddings), ops, shard)
+    model = DecoderModel(
+        arch, hf_config, max(max_model_len, arch.max_position_embeddings), ops, shard, lm_head=task == "generate"
+    )
+    score_head: dict[str, torch.Tensor] = {}
+    if task != "generate":  # sentence-transformers saves the base model: no "model." prefix, no LM head
+        tensors = decoder_pooling_tensors(tensors, score_head)
     load_weights(model, tensors, dtype)
     model.to(platform.device).eval()
     model.prepare_weights()
@@ -98,6 +132,10 @@ def load_model(
     logger.info("weights: %.1f MiB as stored", model.weight_bytes() / 2**20)
     logger.info("kernels on %s: %s", platform.name, ", ".join(f"{k}={v}" for k, v in ops.describe().items()))
 
+    pooler = None
+    if task != "generate":
+        head = decoder_score_head(score_head) if task == "score" else None
+        pooler = build_pooler(task, hf_config, st, config, arch.hidden_size, head, platform.device)
     tokenizer = load_tokenizer(source)
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     if eos is None:
@@ -105,11 +143,57 @@ def load_model(
     generation = _generation_config(source.folder) if config.generation_config == "auto" else {}
     extra_eos = [t for t in _as_list(generation.get("eos_token_id")) if t != eos]
     defaults = {ours: generation[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if theirs in generation}
-    return LoadedModel(source, model, hf_config, tokenizer, dtype, max_model_len, eos, extra_eos, defaults, vision)
+    if task != "generate":
+        defaults = {}
+    return LoadedModel(
+        source, model, hf_config, tokenizer, dtype, max_model_len, eos, extra_eos, defaults, vision, task, pooler
+    )
 
 
-def _checkpoint_tensors(folder: Path, hf_config: PretrainedConfig, quantization: str | None):
-    """The folder's tensors, unpacked from a detected GPTQ/AWQ format or quantised at load as asked."""
+def _load_encoder(
+    source: ModelSource,
+    config: ModelConfig,
+    hf_config: PretrainedConfig,
+    st: SentenceTransformersConfig | None,
+    task: str,
+    checkpoint_dtype: torch.dtype,
+    platform: Platform,
+    kernels: str,
+) -> LoadedModel:
+    """A BERT / RoBERTa / XLM-RoBERTa embedding model or cross-encoder, with its pooler."""
+    arch = EncoderArch.from_hf_config(hf_config)
+    max_model_len = config.max_model_len or default_max_model_len(st, arch.max_model_len)
+    if max_model_len > arch.max_model_len:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds this encoder's {arch.max_model_len} positions "
+            f"(max_position_embeddings {arch.max_position_embeddings} - offset {arch.position_offset})"
+        )
+    detected = checkpoint_quantization(source.folder, hf_config)
+    if detected:
+        raise ValueError(
+            f"{source.folder} is a {detected[0].upper()} checkpoint: quantised encoder checkpoints are not supported; "
+            "use the float checkpoint (with --quantization int8 or int4 to quantise it at load)"
+        )
+    dtype = platform.resolve_dtype(config.dtype, checkpoint_dtype)
+    ops = platform.operator_table(dtype, kernels)
+    tensors = _checkpoint_tensors(source.folder, hf_config, config.quantization, ENCODER_PROJECTIONS)
+    model = EncoderModel(arch, ops)
+    head = load_encoder_weights(model, tensors, dtype, classifier=task == "score")
+    model.to(platform.device).eval()
+    model.prepare_weights()
+    logger.info("weights: %.1f MiB as stored", model.weight_bytes() / 2**20)
+    logger.info("kernels on %s: %s", platform.name, ", ".join(f"{k}={v}" for k, v in ops.describe().items()))
+    pooler = build_pooler(task, hf_config, st, config, arch.hidden_size, head, platform.device)
+    tokenizer = load_tokenizer(source)
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    return LoadedModel(source, model, hf_config, tokenizer, dtype, max_model_len, eos, task=task, pooler=pooler)
+
+
+def _checkpoint_tensors(
+    folder: Path, hf_config: PretrainedConfig, quantization: str | None, projections: tuple[str, ...] | None = None
+):
+    """The folder's tensors, unpacked from a detected GPTQ/AWQ format or quantised at load as asked (the weights
+    whose names end in `projections`; None: a decoder's)."""
     detected = checkpoint_quantization(folder, hf_config)
     method = detected[0] if detected else "none (float weights)"
     if quantization in ("gguf", "gptq", "awq") and quantization != method:
@@ -125,7 +209,7 @@ def _checkpoint_tensors(folder: Path, hf_config: PretrainedConfig, quantization:
     if detected:
         return unpack_checkpoint(tensors, *detected, dequantize=quantization == "none")
     if quantization in ("int4", "int8"):
-        return quantize_projections(tensors, quantization)
+        return quantize_projections(tensors, quantization, projections)
     return tensors
 
 

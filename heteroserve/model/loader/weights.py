@@ -28,11 +28,15 @@ Weight = torch.Tensor | Int4Weight | Int8Weight | PermutedInput
 INT4_GROUP = 32
 
 
-def quantize_projections(tensors: Iterable[tuple[str, Weight]], method: str):
+def quantize_projections(
+    tensors: Iterable[tuple[str, Weight]], method: str, projections: tuple[str, ...] | None = None
+):
     """Round-to-nearest at load time: "int4" asymmetric per 32 input columns (projections whose input size 32
-    divides), "int8" symmetric per output channel (torch's int8 kernel reads that)."""
+    divides), "int8" symmetric per output channel (torch's int8 kernel reads that). projections: the name
+    endings of the weights to quantise (None: a decoder's)."""
+    endings = projections or _PROJECTIONS
     for name, tensor in tensors:
-        if not (name.endswith(_PROJECTIONS) and isinstance(tensor, torch.Tensor)):
+        if not (name.endswith(endings) and isinstance(tensor, torch.Tensor)):
             yield name, tensor
         elif method == "int8":
             yield name, quantize_int8(tensor)
