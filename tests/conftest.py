@@ -77,3 +77,26 @@ def server():
     )
     yield process
     process.stop()
+
+
+EMBEDDER = "tiny-embedder"  # the served name of embedding_server's model
+
+
+@pytest.fixture(scope="session")
+def served_embedder(tmp_path_factory):
+    """The tiny BERT embedder of tests/pooling (mean pooling, normalised, Matryoshka sizes 16, 32, 64)."""
+    from tests.pooling.tiny_pooling_models import build_bert_embedder
+
+    return build_bert_embedder(tmp_path_factory.mktemp("served") / "bert_embedder")
+
+
+@pytest.fixture(scope="session")
+def embedding_server(served_embedder):
+    """One real server on `served_embedder` for the session (the server's and the gateway's pooling tests)."""
+    from tests.entrypoints.server_process import ServerProcess
+
+    process = ServerProcess(
+        "--model", str(served_embedder.folder), "--served-model-name", EMBEDDER, env={"HETEROSERVE_NUM_THREADS": "1"}
+    )
+    yield process
+    process.stop()

@@ -104,11 +104,27 @@ class ServerMetrics:
             registry=self.registry,
         )
 
+        self.pooling_requests = Counter(
+            PREFIX + "pooling_requests",
+            "Finished pooling requests (one per text embedded or pair a cross-encoder scored) by task.",
+            [*labels, "task"],
+            registry=self.registry,
+        )
+        self.pooling_prompt_tokens = Counter(
+            PREFIX + "pooling_prompt_tokens",
+            "Prompt tokens of finished pooling requests by task (also counted in prompt_tokens).",
+            [*labels, "task"],
+            registry=self.registry,
+        )
+
         # Export every series from the start, so dashboards and alerts see zeros rather than nothing.
         for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.tpot, self.e2e, self.queue_time):
             metric.labels(model_name)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name, reason)
+        if engine.task != "generate":
+            self.pooling_requests.labels(model_name, engine.task)
+            self.pooling_prompt_tokens.labels(model_name, engine.task)
 
     def observe_finished(
         self, metrics: RequestMetrics | None, prompt_tokens: int, output_tokens: int, finish_reason: str | None
@@ -125,6 +141,20 @@ class ServerMetrics:
                 self.tpot.labels(label).observe(
                     (metrics.finished_time - metrics.first_token_time) / (output_tokens - 1)
                 )
+        if metrics.finished_time is not None:
+            self.e2e.labels(label).observe(metrics.finished_time - metrics.arrival_time)
+        if metrics.first_scheduled_time is not None:
+            self.queue_time.labels(label).observe(metrics.first_scheduled_time - metrics.arrival_time)
+
+    def observe_pooling(self, task: str, metrics: RequestMetrics | None, prompt_tokens: int) -> None:
+        """A finished pooling request (`task`: embed or score): counted, its prompt tokens added to the pooling and
+        the overall counts, its end-to-end and queue times observed."""
+        label = self.model_name
+        self.pooling_requests.labels(label, task).inc()
+        self.pooling_prompt_tokens.labels(label, task).inc(prompt_tokens)
+        self.prompt_tokens.labels(label).inc(prompt_tokens)
+        if metrics is None:
+            return
         if metrics.finished_time is not None:
             self.e2e.labels(label).observe(metrics.finished_time - metrics.arrival_time)
         if metrics.first_scheduled_time is not None:

@@ -62,15 +62,19 @@ class Gateway:
         return request.headers.get("x-service-class") or default
 
 
+# The routes forwarded to back ends: OpenAI's under /v1/, and vLLM's rerank and score without the prefix.
+FORWARDED_PREFIXES = ("/v1/", "/rerank", "/score")
+
+
 class DrainGate:
-    """Counts each /v1/* request in flight until its last byte is sent (a relayed stream too), and refuses new
+    """Counts each forwarded request in flight until its last byte is sent (a relayed stream too), and refuses new
     ones with 503 while draining. Plain ASGI, as the server's Gate is, so a stream counts until it ends."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app, self.state = app, state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not scope["path"].startswith(FORWARDED_PREFIXES):
             await self.app(scope, receive, send)
             return
         if self.state.draining:
@@ -153,6 +157,7 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.post("/v1/{path:path}")
     async def forward(path: str, request: Request):
+        """Any /v1/* POST, to a back end serving the body's model (its task is the back end's business)."""
         rid = request_id(request)
         service_class = gateway.service_class(request)
         content = await request.body()
@@ -172,6 +177,16 @@ def build_app(gateway: Gateway) -> FastAPI:
         response = await proxy.forward(gateway.config, path, content, target, rid)
         response.headers["X-Request-Id"] = rid
         return response
+
+    @app.post("/rerank")
+    async def rerank(request: Request):
+        """vLLM's unprefixed route, sent to the back end's /v1/rerank (vLLM serves both)."""
+        return await forward("rerank", request)
+
+    @app.post("/score")
+    async def score(request: Request):
+        """vLLM's unprefixed route, sent to the back end's /v1/score (vLLM serves both)."""
+        return await forward("score", request)
 
     return app
 

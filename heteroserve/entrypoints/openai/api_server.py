@@ -23,6 +23,7 @@ from heteroserve.engine.async_engine import AsyncLLMEngine
 from heteroserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.gate import Gate, ServerState, unless_disconnected
+from heteroserve.entrypoints.openai.pooling_routes import add_pooling_routes
 from heteroserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,9 +35,11 @@ from heteroserve.entrypoints.openai.protocol import (
 from heteroserve.entrypoints.openai.serving import Admission, ServerSettings, check_fields
 from heteroserve.entrypoints.openai.serving_chat import ServingChat
 from heteroserve.entrypoints.openai.serving_completion import ServingCompletion
+from heteroserve.entrypoints.openai.serving_pooling import require_task
 from heteroserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from heteroserve.metrics.prometheus import ServerMetrics
 from heteroserve.multimodal.media import MediaPolicy
+from heteroserve.pooling_params import PoolingParams
 from heteroserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("heteroserve.server")
@@ -63,7 +66,7 @@ def build_app(
     app.state.server = state
     app.state.engine = engine
     metrics = ServerMetrics(engine.engine, settings.served_model_names[0])
-    admission = Admission(settings.max_waiting_requests)  # one count for both routes
+    admission = Admission(settings.max_waiting_requests)  # one count for every route
     completions = ServingCompletion(engine, settings, metrics, admission)
     chats = ServingChat(engine, settings, metrics, admission)
     app.add_middleware(
@@ -139,6 +142,7 @@ def build_app(
             "created": now(),
             "owned_by": "heteroserve",
             "max_model_len": engine.engine.max_model_len,
+            "task": engine.engine.task,  # generate, embed or score: which routes serve it
         }
 
     @app.get("/v1/models", responses=_API_ERRORS)
@@ -154,12 +158,14 @@ def build_app(
     async def create_completion(body: CompletionRequest, request: Request):
         if log_requests:
             logger.info("completion request: %s", body.model_dump_json())
+        require_task(completions, body.model, "/v1/completions", ("generate",))
         return await unless_disconnected(request, completions.create(body))
 
     @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         if log_requests:
             logger.info("chat request: %s", body.model_dump_json())
+        require_task(chats, body.model, "/v1/chat/completions", ("generate",))
         return await unless_disconnected(request, chats.create(body))
 
     @app.post("/tokenize", responses=_API_ERRORS)
@@ -191,9 +197,14 @@ def build_app(
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
         return {"prompt": await asyncio.to_thread(chats.tokenizer.decode, body.tokens)}
 
+    add_pooling_routes(app, engine, settings, metrics, admission, _API_ERRORS, log_requests)
+
     @app.on_event("startup")
     async def warm_up():
-        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        task = engine.engine.task
+        params = (
+            SamplingParams(temperature=0, max_tokens=2, ignore_eos=True) if task == "generate" else PoolingParams(task)
+        )
         async for _ in engine.generate(f"warmup-{uuid.uuid4().hex}", {"prompt_token_ids": [1, 2, 3]}, params):
             pass
         state.ready = True

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from heteroserve.engine.async_engine import AsyncLLMEngine
 from heteroserve.entrypoints.openai.errors import APIError
 
-KEYED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+KEYED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/rerank", "/score")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up before the answer
 
 T = TypeVar("T")
@@ -36,7 +36,7 @@ class ServerState:
 
 
 class Gate:
-    """Guards /v1/*, /tokenize and /detokenize; probes, /metrics and the chat page pass freely."""
+    """Guards /v1/*, /tokenize, /detokenize, /rerank and /score; probes, /metrics and the chat page pass freely."""
 
     def __init__(
         self, app: ASGIApp, engine: AsyncLLMEngine, state: ServerState, api_key: str | None, max_body_bytes: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -297,6 +298,102 @@ class TokenizeRequest(RequestBody):
 class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
+
+
+# vLLM's extra fields of the pooling requests (embeddings, rerank, score) that heteroserve lacks.
+_POOLING_UNHONOURED = {
+    "request_id": Unhonoured("the server names its requests"),
+    "cache_salt": Unhonoured("pooling requests do not use the prefix cache"),
+    "mm_processor_kwargs": Unhonoured("inputs are text or token ids"),
+    "padding": Unhonoured("inputs are not padded", (None, "do_not_pad")),
+    "truncation_side": Unhonoured("truncate_prompt_tokens cuts where the tokenizer's truncation does"),
+    "add_special_tokens": Unhonoured("text inputs get the tokenizer's special tokens", (None, True)),
+    "additional_data": Unhonoured("no pooling extensions are installed"),
+}
+_LITTLE_ENDIAN = ("little", "native") if sys.byteorder == "little" else ("little",)
+
+
+class EmbeddingRequest(RequestBody):
+    """POST /v1/embeddings: OpenAI's body and vLLM's extras. One engine request per input."""
+
+    unhonoured: ClassVar[dict[str, Unhonoured]] = {
+        **_POOLING_UNHONOURED,
+        "messages": Unhonoured("embeddings of chat messages are not supported; send input"),
+        "embed_dtype": Unhonoured("base64 embeddings are float32", (None, "float32")),
+        "endianness": Unhonoured("base64 embeddings are little-endian", (None, *_LITTLE_ENDIAN)),
+    }
+
+    model: str | None = None
+    input: (
+        NonEmptyText
+        | Annotated[list[NonEmptyText], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+        | None
+    ) = None  # required; None lets an unhonoured `messages` be named first
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # vLLM's extra; -1: max_model_len
+    normalize: bool | None = None  # vLLM's extra (older name); None: the checkpoint's default
+    use_activation: bool | None = None  # vLLM's extra (newer name of normalize for embeddings)
+    priority: int = 0  # vLLM's extra
+
+
+# The rerank and score bodies' fields that heteroserve does not honour (vLLM's, Cohere's, Jina's).
+_SCORE_UNHONOURED = {
+    **_POOLING_UNHONOURED,
+    "use_activation": Unhonoured("scores always pass through the model's activation", (None, True)),
+    "activation": Unhonoured("scores always pass through the model's activation", (None, True)),
+    "softmax": Unhonoured("scores always pass through the model's activation", (None, True)),
+}
+ScoreTexts = str | Annotated[list[str], Field(min_length=1)]
+
+
+class RerankRequest(RequestBody):
+    """POST /rerank, /v1/rerank: Jina's and Cohere's shape as vLLM serves it."""
+
+    unhonoured: ClassVar[dict[str, Unhonoured]] = {
+        **_SCORE_UNHONOURED,
+        "rank_fields": Unhonoured("documents are plain strings"),
+        "max_chunks_per_doc": Unhonoured("documents are not chunked; truncate_prompt_tokens cuts long pairs"),
+        "max_tokens_per_doc": Unhonoured("documents are not truncated alone; truncate_prompt_tokens cuts pairs"),
+        "instruction": Unhonoured("instructions are not added; put them in the query"),
+    }
+
+    model: str | None = None
+    query: str
+    documents: Annotated[list[str], Field(min_length=1)]
+    top_n: int = 0  # <= 0: every document, as vLLM
+    return_documents: bool = True  # Jina's and Cohere's; false leaves `document` out of the results
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    user: str | None = None
+    priority: int = 0
+
+
+class ScoreRequest(RequestBody):
+    """POST /score, /v1/score: vLLM's. text_1 against text_2 (1:1, 1:N or N:N); newer vLLM also names the two
+    sides queries/documents, queries/items or data_1/data_2."""
+
+    unhonoured: ClassVar[dict[str, Unhonoured]] = _SCORE_UNHONOURED
+    pair_names: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("text_1", "text_2"),
+        ("queries", "documents"),
+        ("queries", "items"),
+        ("data_1", "data_2"),
+    )
+
+    model: str | None = None
+    text_1: ScoreTexts | None = None
+    text_2: ScoreTexts | None = None
+    queries: ScoreTexts | None = None
+    documents: ScoreTexts | None = None
+    items: ScoreTexts | None = None
+    data_1: ScoreTexts | None = None
+    data_2: ScoreTexts | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    user: str | None = None
+    priority: int = 0
 
 
 def now() -> int:
