@@ -1,11 +1,12 @@
-"""`heteroserve bench throughput|latency|serve`: the parser (the commands are in throughput_command.py,
-latency_command.py and serve_command.py)."""
+"""`heteroserve bench throughput|latency|serve|vision|embed|soak`: the parser (the commands are in
+throughput_command.py, latency_command.py, serve_command.py, vision.py, embed.py and soak.py)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from heteroserve.bench.embed import add_embed_parser
 from heteroserve.bench.harness import PEERS
 from heteroserve.bench.latency_command import run_latency_bench
 from heteroserve.bench.serve_command import run_serve_bench
@@ -19,6 +20,7 @@ def add_bench_parser(commands) -> None:
     bench = commands.add_parser("bench", help="benchmark heteroserve against peers on the shared workload")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     add_vision_parser(kinds)
+    add_embed_parser(kinds)
     soak = kinds.add_parser(
         "soak",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
