@@ -1,8 +1,8 @@
 """`heteroserve bench embed`: passages of mixed lengths through an embedding model, ours against
 sentence-transformers' `encode` with its default batching, in alternating rounds of the same run.
 
-Without a model argument it builds a BERT encoder of full depth (12 layers, as BERT-base and bge-m3's 24 are deep)
-and tiny width, with random weights and a word-level tokenizer over a synthetic vocabulary, saved as a
+Without a model argument it builds a BERT encoder of full depth (12 layers, as BERT-base; bge-m3 has 24) and tiny
+width (64: two heads of 32), with random weights and a word-level tokenizer over a synthetic vocabulary, saved as a
 sentence-transformers folder (mean pooling, normalised), so nothing is downloaded and both sides read the same
 weights and the same token ids. Each passage is `--min-tokens` to `--max-tokens` tokens long (uniform, seeded).
 Both sides run in this process one after the other, on the same threads.
@@ -25,6 +25,7 @@ from heteroserve.entrypoints.engine_args import add_engine_args, engine_config_f
 from heteroserve.entrypoints.llm import LLM
 
 VOCABULARY_WORDS = 2000
+HEAD_SIZE = 32  # as MiniLM's and bge-small's heads (BERT-base's and bge-m3's are 64)
 
 
 def add_embed_parser(kinds) -> None:
@@ -64,7 +65,7 @@ def build_encoder_folder(folder: Path, hidden_size: int, layers: int, max_tokens
         vocab_size=len(vocab),
         hidden_size=hidden_size,
         num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden_size // 16),
+        num_attention_heads=max(1, hidden_size // HEAD_SIZE),
         intermediate_size=4 * hidden_size,
         max_position_embeddings=max_tokens,
     )

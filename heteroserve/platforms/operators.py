@@ -91,6 +91,7 @@ OPERATORS: dict[str, OperatorSpec] = {
     "silu_and_mul": OperatorSpec(reference_ops.silu_and_mul),
     "write_kv": OperatorSpec(reference_ops.write_kv, mutates=(2, 3)),
     "prefill_attention": OperatorSpec(reference_ops.prefill_attention),
+    "bidirectional_attention": OperatorSpec(reference_ops.bidirectional_attention),
     "decode_attention": OperatorSpec(reference_ops.decode_attention),
     "argmax_rows": OperatorSpec(reference_ops.argmax_rows),
 }
@@ -155,6 +156,11 @@ class OperatorTable:
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
     ) -> torch.Tensor:
         return self.call("prefill_attention", q, keys, values, mask, scale)
+
+    def bidirectional_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        return self.call("bidirectional_attention", q, keys, values, scale)
 
     def decode_attention(
         self,

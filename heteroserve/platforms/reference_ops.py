@@ -73,6 +73,12 @@ def decode_attention(
     return out.reshape(b, num_heads, head_dim)
 
 
+def bidirectional_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One encoder sequence: q, keys, values [n, H, D], every token attending to every token."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), scale=scale)
+    return out.transpose(0, 1)
+
+
 def prefill_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:

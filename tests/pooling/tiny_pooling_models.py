@@ -235,7 +235,7 @@ def _save_cross_encoder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
 
 def build_xlmr_cross_encoder(folder: Path, seed: int = 14) -> TinyPoolingModel:
     """An XLMRobertaForSequenceClassification reranker with one label (as bge-reranker): positions offset by
-    padding_idx + 1 = 2, one token type."""
+    padding_idx + 1 = 2, one token type, two heads of 32 (the other tiny encoders have four of 16)."""
     tokenizer = xlmr_tokenizer()
     offset = tokenizer.pad_token_id + 1
     config = _encoder_config(
@@ -243,6 +243,7 @@ def build_xlmr_cross_encoder(folder: Path, seed: int = 14) -> TinyPoolingModel:
         len(tokenizer),
         max_position_embeddings=ENCODER_MAX_POSITIONS + offset,
         type_vocab_size=1,
+        num_attention_heads=2,  # head size 32: the CPU's C++ attention kernel (16 takes torch's)
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -62,11 +62,11 @@ std::pair<at::Tensor, at::Tensor> pack_keys_values(const at::Tensor& keys, const
 }
 
 // Per query row, the end of the keys it sees (one past the last one the mask lets through).
-std::vector<int64_t> visible_ends(int64_t n, int64_t ctx, const bool* mask) {
+std::vector<int64_t> visible_ends(int64_t n, int64_t ctx, const bool* mask, bool causal) {
   std::vector<int64_t> ends(n);
   for (int64_t i = 0; i < n; ++i) {
     if (mask == nullptr) {
-      ends[i] = ctx - n + i + 1;  // causal, the chunk after the cached prefix
+      ends[i] = causal ? ctx - n + i + 1 : ctx;  // causal: the chunk after the cached prefix
       continue;
     }
     int64_t end = 0;
@@ -122,9 +122,9 @@ namespace heteroserve {
 bool prefill_attention_supports(int64_t head_dim) { return head_dim % kPanel == 0; }
 
 // q [n, Hq, D] over keys/values [ctx, Hkv, D]; mask [n, ctx] (true = attend) or none: causal over the chunk,
-// which then holds every key (ctx == n).
+// which then holds every key (ctx == n), or with causal false every query sees every key (an encoder).
 at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& keys_in, const at::Tensor& values_in,
-                             const std::optional<at::Tensor>& mask_in, double scale) {
+                             const std::optional<at::Tensor>& mask_in, double scale, bool causal) {
   TORCH_CHECK(q_in.scalar_type() == at::kFloat && keys_in.scalar_type() == at::kFloat &&
                   values_in.scalar_type() == at::kFloat,
               "prefill_attention: float32 only");
@@ -137,7 +137,7 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& keys_in, 
   if (mask_in.has_value()) {
     mask = mask_in->contiguous();
     TORCH_CHECK(mask.scalar_type() == at::kBool && mask.numel() == n * ctx, "prefill_attention: mask [n, ctx]");
-  } else {
+  } else if (causal) {
     TORCH_CHECK(ctx == n, "prefill_attention: without a mask the chunk must be all the keys");
   }
   // Heads may be views of the fused qkv projection: only each head's D values need to be consecutive.
@@ -145,7 +145,7 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& keys_in, 
   const auto [k_packed, v_packed] = pack_keys_values(keys_in.stride(2) == 1 ? keys_in : keys_in.contiguous(),
                                                      values_in.stride(2) == 1 ? values_in : values_in.contiguous());
   const bool* mask_data = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
-  const std::vector<int64_t> ends = visible_ends(n, ctx, mask_data);
+  const std::vector<int64_t> ends = visible_ends(n, ctx, mask_data, causal);
   at::Tensor out = at::empty({n, Hq, D}, q.options());
   const float* qd = q.const_data_ptr<float>();
   const int64_t q_strides[2] = {q.stride(0), q.stride(1)};
@@ -192,7 +192,7 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& keys_in, 
 
 TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
   m.def("prefill_attention_supports(int head_dim) -> bool");
-  m.def("prefill_attention(Tensor q, Tensor keys, Tensor values, Tensor? mask, float scale) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor keys, Tensor values, Tensor? mask, float scale, bool causal=True) -> Tensor");
   m.impl("prefill_attention_supports", &heteroserve::prefill_attention_supports);
   m.impl("prefill_attention", c10::DispatchKey::CPU, &heteroserve::prefill_attention);
 }
