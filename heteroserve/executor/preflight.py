@@ -12,6 +12,7 @@ from heteroserve.distributed.parallel_state import layer_range
 from heteroserve.distributed.sharding import check_tensor_parallel
 from heteroserve.model.arch import VISION_LANGUAGE, ModelArch
 from heteroserve.model.loader.gguf_loader import gguf_config, open_gguf
+from heteroserve.model.loader.pooling_checkpoint import model_task, read_sentence_transformers
 from heteroserve.model.loader.source import resolve_model
 
 
@@ -26,6 +27,14 @@ def check_model_split(config: EngineConfig) -> None:
             hf_config = AutoConfig.from_pretrained(source.folder)
         except (ValueError, OSError, json.JSONDecodeError):
             return  # the workers' loader reports an unreadable checkpoint in its own words
+    if source.gguf_file is None:
+        task = model_task(hf_config, read_sentence_transformers(source.folder), config.model.runner)
+        if task != "generate":
+            raise ValueError(
+                f"tensor / pipeline parallelism ({parallel.tensor_parallel_size} x {parallel.pipeline_parallel_size}"
+                f" ranks): pooling models (this one's task: {task}) run on one rank; drop --tensor-parallel-size "
+                "/ --pipeline-parallel-size"
+            )
     if hf_config.model_type in VISION_LANGUAGE:
         raise ValueError(
             f"{hf_config.model_type} runs on one rank: tensor and pipeline parallelism cover the text "

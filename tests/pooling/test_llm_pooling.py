@@ -205,3 +205,10 @@ def test_do_lower_case_lowercases_texts_as_sentence_transformers_does(qwen3_embe
         assert cosines(embeddings(llm, texts), reference).min() >= COSINE
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("name,parallel", [("bert_embedder", "tensor"), ("qwen3_embedder", "pipeline")])
+def test_parallelism_is_refused_for_pooling_models_before_workers_start(name, parallel, request):
+    model = request.getfixturevalue(name)
+    with pytest.raises(ValueError, match="pooling models .* run on one rank"):
+        LLM(str(model.folder), **{f"{parallel}_parallel_size": 2})

@@ -206,3 +206,18 @@ def test_encoder_weight_bytes_and_type(bert_embedder):
     assert isinstance(loaded.model, EncoderModel)
     parameters = sum(p.numel() for p in loaded.model.parameters())
     assert loaded.model.weight_bytes() == 4 * parameters
+
+
+def test_bidirectional_decoder_is_refused(qwen3_embedder, tmp_path):
+    """gte-Qwen2-style configs that ask for bidirectional attention in a decoder: refused, not run causally."""
+    folder = copy_of(qwen3_embedder, tmp_path)
+    edit_json(folder / "config.json", is_causal=False)
+    with pytest.raises(ValueError, match="is_causal false"):
+        load(folder)
+
+
+def test_quantised_encoder_checkpoint_is_refused(bert_embedder, tmp_path):
+    folder = copy_of(bert_embedder, tmp_path)
+    edit_json(folder / "config.json", quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 32})
+    with pytest.raises(ValueError, match="quantised encoder checkpoints are not supported"):
+        load(folder)

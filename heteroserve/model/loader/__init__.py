@@ -101,6 +101,11 @@ def load_model(
         )
     if task != "generate" and hf_config.model_type in VISION_LANGUAGE:
         raise ValueError(f"pooling with a vision-language model ({hf_config.model_type}) is not supported")
+    if getattr(hf_config, "is_causal", True) is False and hf_config.model_type not in ENCODER_TYPES:
+        raise ValueError(
+            f"{source.folder}: config.json sets is_causal false (a {hf_config.model_type} decoder with bidirectional "
+            "attention, as some embedders are); the decoder here attends causally only"
+        )
     if hf_config.model_type in ENCODER_TYPES:
         return _load_encoder(source, config, hf_config, st, task, checkpoint_dtype, platform, kernels)
     if source.gguf_file is None:
