@@ -193,6 +193,39 @@ class LLMEngine:
         if parent is not None:
             self._children[request_id] = [r.request_id for r in requests]
 
+    def pooling_prompt(self, prompt: PromptInput, params: PoolingParams) -> dict[str, object]:
+        """A pooling request's prompt as token ids ("prompt", "prompt_token_ids" and, for text pairs,
+        "token_type_ids"): lowercased where the checkpoint says so, tokenized, truncated as asked. Thread-safe, so a
+        server tokenizes in threads of its own instead of the engine's; add_request accepts the result as is."""
+        if self.pooler_spec is not None and self.pooler_spec.lowercase:  # as sentence-transformers does
+            if isinstance(prompt, str):
+                prompt = prompt.lower()
+            elif (
+                isinstance(prompt, Mapping)
+                and "prompt_token_ids" not in prompt
+                and isinstance(prompt.get("prompt"), str)
+            ):
+                prompt = {**prompt, "prompt": prompt["prompt"].lower()}
+        token_type_ids = None
+        if isinstance(prompt, Mapping):
+            token_type_ids = prompt.get("token_type_ids")
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "token_type_ids"}
+            if unknown:
+                raise ValueError(f"a pooling prompt takes no {', '.join(sorted(unknown))}")
+        truncate = params.truncate_prompt_tokens
+        if isinstance(prompt, str) and truncate is not None and self.tokenizer is not None:
+            text, token_ids = prompt, list(self._tokenize(prompt, truncate_prompt_tokens=truncate)["input_ids"])
+        else:
+            text, token_ids = self.tokenize_prompt(prompt)
+            token_ids = self._truncate_ids(token_ids, truncate)
+            token_type_ids = self._truncate_ids(token_type_ids, truncate)
+        tokenized: dict[str, object] = {"prompt": text, "prompt_token_ids": token_ids}
+        if token_type_ids is not None:
+            tokenized["token_type_ids"] = [int(t) for t in token_type_ids]
+            if len(token_type_ids) != len(token_ids):
+                raise ValueError(f"token_type_ids has {len(token_type_ids)} entries for {len(token_ids)} prompt tokens")
+        return tokenized
+
     def _add_pooling_request(
         self,
         request_id: str,
@@ -208,32 +241,8 @@ class LLMEngine:
                 f"{self.model_name} is a pooling model (task {self.task}): it takes PoolingParams, not SamplingParams"
             )
         self.pooler_spec.check(params)
-        token_type_ids = None
-        if self.pooler_spec.lowercase:  # as sentence-transformers does before tokenizing
-            if isinstance(prompt, str):
-                prompt = prompt.lower()
-            elif (
-                isinstance(prompt, Mapping)
-                and "prompt_token_ids" not in prompt
-                and isinstance(prompt.get("prompt"), str)
-            ):
-                prompt = {**prompt, "prompt": prompt["prompt"].lower()}
-        if isinstance(prompt, Mapping):
-            token_type_ids = prompt.get("token_type_ids")
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "token_type_ids"}
-            if unknown:
-                raise ValueError(f"a pooling prompt takes no {', '.join(sorted(unknown))}")
-        truncate = params.truncate_prompt_tokens
-        if isinstance(prompt, str) and truncate is not None and self.tokenizer is not None:
-            text, token_ids = prompt, list(self._tokenize(prompt, truncate_prompt_tokens=truncate)["input_ids"])
-        else:
-            text, token_ids = self.tokenize_prompt(prompt)
-            token_ids = self._truncate_ids(token_ids, truncate)
-            token_type_ids = self._truncate_ids(token_type_ids, truncate)
-        if token_type_ids is not None:
-            token_type_ids = [int(t) for t in token_type_ids]
-            if len(token_type_ids) != len(token_ids):
-                raise ValueError(f"token_type_ids has {len(token_type_ids)} entries for {len(token_ids)} prompt tokens")
+        tokenized = self.pooling_prompt(prompt, params)
+        token_ids = tokenized["prompt_token_ids"]
         self._validate(request_id, token_ids, SamplingParams(max_tokens=1))
         budget = self.config.scheduler.max_num_batched_tokens
         if len(token_ids) > budget:
@@ -248,10 +257,10 @@ class LLMEngine:
             priority=priority,
             arrival_time=arrival_time or time.time(),
             pooling_params=params,
-            token_type_ids=token_type_ids,
+            token_type_ids=tokenized.get("token_type_ids"),
         )
         self.scheduler.add_request(request)
-        self._pooling_prompts[request_id] = text
+        self._pooling_prompts[request_id] = tokenized["prompt"]
 
     def _samples(
         self,

@@ -60,6 +60,19 @@ class PoolingServing(OpenAIServing):
             raise APIError(400, str(exc), param) from exc
         return params
 
+    def _tokenized(
+        self, inputs: Sequence[tuple[PromptInput, PoolingParams]], locate: Callable[[int], str]
+    ) -> list[PromptInput]:
+        engine = self.engine.engine
+        prompts = []
+        for i, (prompt, params) in enumerate(inputs):
+            try:
+                prompts.append(engine.pooling_prompt(prompt, params))
+            except ValueError as exc:
+                where = locate(i)
+                raise APIError(400, f"{where}: {exc}", where.partition("[")[0]) from exc
+        return prompts
+
     async def pool(
         self,
         request_id: str,
@@ -71,10 +84,13 @@ class PoolingServing(OpenAIServing):
     ) -> list[PoolingRequestOutput]:
         """Each input's output, in order. All enter the engine before any is awaited, so they share steps. A refused
         input is a 400 naming its place in the body (`locate(i)`, e.g. "input[3]"); the others' results are dropped."""
+        # Tokenizing a few thousand texts takes a while: in a thread, not in the engine's (which would stall
+        # every request's steps) nor on the event loop.
+        prompts = await asyncio.to_thread(self._tokenized, inputs, locate)
         results = await asyncio.gather(
             *(
                 self.start(f"{request_id}-{i}", prompt, params, priority, place, deadline)
-                for i, (prompt, params) in enumerate(inputs)
+                for i, (prompt, (_, params)) in enumerate(zip(prompts, inputs, strict=True))
             ),
             return_exceptions=True,
         )
