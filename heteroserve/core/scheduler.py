@@ -79,6 +79,7 @@ class SchedulerStats:
     prefix_hits: int
     spec_draft_tokens: int  # speculative tokens checked so far
     spec_accepted_tokens: int  # of which the model confirmed
+    step_token_counts: dict[int, int] = field(default_factory=dict)  # tokens in a step -> steps that ran that many
 
 
 class Scheduler:
@@ -95,6 +96,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.step_token_counts: dict[int, int] = {}  # bounded: a step holds at most max_num_batched_tokens
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -169,6 +171,9 @@ class Scheduler:
 
         for item in scheduled.values():
             item.block_ids = self.kv_cache.block_ids(item.request.request_id)
+        num_tokens = self.config.max_num_batched_tokens - budget
+        if num_tokens:
+            self.step_token_counts[num_tokens] = self.step_token_counts.get(num_tokens, 0) + 1
         return SchedulerOutput(list(scheduled.values()), preempted)
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
@@ -249,6 +254,7 @@ class Scheduler:
             prefix_hits=self.kv_cache.stats.hits,
             spec_draft_tokens=self.num_draft_tokens,
             spec_accepted_tokens=self.num_accepted_tokens,
+            step_token_counts=dict(self.step_token_counts),  # a copy: the engine thread keeps counting
         )
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:

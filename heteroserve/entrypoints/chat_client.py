@@ -290,9 +290,11 @@ def ask(backend: Backend, conversation: Conversation, question: str, sampling: d
     """Streams one answer; a refused request leaves the conversation as it was."""
     conversation.messages.append({"role": "user", "content": question})
     printer = AnswerPrinter(color)
+    deltas = backend.stream(conversation.for_request(), sampling)
     try:
-        for delta in backend.stream(conversation.for_request(), sampling):
-            printer.feed(delta)
+        with contextlib.closing(deltas):  # closed at once when stopped: the server sees the client leave
+            for delta in deltas:
+                printer.feed(delta)
     except KeyboardInterrupt:
         printer.finish()
         print("[interrupted]", file=sys.stderr, flush=True)
@@ -340,7 +342,11 @@ def run_chat(args: argparse.Namespace) -> None:
     color = sys.stdout.isatty() and not args.no_color and not os.environ.get("NO_COLOR")
     sampling = {k: v for k, v in (("temperature", args.temperature), ("max_tokens", args.max_tokens)) if v is not None}
     try:
-        backend = LocalBackend(args.local, args) if args.local is not None else ServerBackend(args.url, args.api_key, args.model)
+        backend = (
+            LocalBackend(args.local, args)
+            if args.local is not None
+            else ServerBackend(args.url, args.api_key, args.model)
+        )
     except ChatError as exc:
         sys.exit(f"error: {exc}")
     conversation = Conversation(args.system_prompt)

@@ -7,44 +7,10 @@ import logging
 import sys
 
 from heteroserve.bench.commands import add_bench_parser
-from heteroserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from heteroserve.entrypoints.chat_client import add_chat_args, run_chat
+from heteroserve.entrypoints.engine_args import add_engine_args
 from heteroserve.entrypoints.gateway import add_gateway_args
 from heteroserve.entrypoints.openai.api_server import add_server_args
-
-DEMO_QUESTION = "What is the capital of France?"
-
-
-def _chat(args: argparse.Namespace) -> None:
-    from heteroserve.entrypoints.llm import LLM
-    from heteroserve.sampling_params import SamplingParams
-
-    llm = LLM.from_config(engine_config_from_args(args.model, args))
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    history: list[dict[str, str]] = []
-
-    def answer(question: str) -> None:
-        history.append({"role": "user", "content": question})
-        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
-        history.append({"role": "assistant", "content": reply})
-        print(f"assistant> {reply}", flush=True)
-
-    questions = args.prompt or ([] if sys.stdin.isatty() else [line.strip() for line in sys.stdin if line.strip()])
-    if not questions and not sys.stdin.isatty():
-        questions = [DEMO_QUESTION]
-    if not questions:
-        print(f"user> {DEMO_QUESTION}")
-        answer(DEMO_QUESTION)
-        while True:
-            try:
-                question = input("user> ").strip()
-            except EOFError:
-                break
-            if question:
-                answer(question)
-        return
-    for question in questions:
-        print(f"user> {question}")
-        answer(question)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -84,15 +50,12 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     chat = commands.add_parser(
         "chat",
-        help="chat with a model in the terminal",
+        help="chat in the terminal with a running server (or, with --local, the model in-process)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    chat.add_argument("model", nargs="?", default=None, help="checkpoint folder, GGUF file or cached model id")
-    chat.add_argument("--prompt", action="append", help="ask this and exit (repeatable)")
-    chat.add_argument("--temperature", type=float, default=0.0)
-    chat.add_argument("--max-tokens", type=int, default=256)
-    add_engine_args(chat)
-    chat.set_defaults(handler=_chat)
+    add_chat_args(chat)
+    add_engine_args(chat)  # for --local
+    chat.set_defaults(handler=run_chat)
     add_bench_parser(commands)
     serve = commands.add_parser(
         "serve", help="OpenAI-compatible server", formatter_class=argparse.ArgumentDefaultsHelpFormatter

@@ -233,6 +233,20 @@ def _save_cross_encoder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
         CrossEncoder(hf_folder, device="cpu").save(str(folder))
 
 
+def _cross_encoder(name: str, folder: Path) -> TinyPoolingModel:
+    """A one-label reranker's description: the CLS row through the classifier head."""
+    return TinyPoolingModel(
+        name,
+        folder,
+        task="score",
+        pooling_type="CLS",
+        normalize=False,
+        embedding_size=64,
+        max_model_len=ENCODER_MAX_POSITIONS,
+        num_labels=1,
+    )
+
+
 def build_xlmr_cross_encoder(folder: Path, seed: int = 14) -> TinyPoolingModel:
     """An XLMRobertaForSequenceClassification reranker with one label (as bge-reranker): positions offset by
     padding_idx + 1 = 2, one token type, two heads of 32 (the other tiny encoders have four of 16)."""
@@ -253,16 +267,7 @@ def build_xlmr_cross_encoder(folder: Path, seed: int = 14) -> TinyPoolingModel:
     model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
     randomize_encoder(model, seed)
     _save_cross_encoder(model, tokenizer, folder)
-    return TinyPoolingModel(
-        "xlmr_cross_encoder",
-        folder,
-        task="score",
-        pooling_type="CLS",
-        normalize=False,
-        embedding_size=64,
-        max_model_len=ENCODER_MAX_POSITIONS,
-        num_labels=1,
-    )
+    return _cross_encoder("xlmr_cross_encoder", folder)
 
 
 def build_bert_cross_encoder(folder: Path, seed: int = 12) -> TinyPoolingModel:
@@ -273,16 +278,7 @@ def build_bert_cross_encoder(folder: Path, seed: int = 12) -> TinyPoolingModel:
     model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
     randomize_encoder(model, seed)
     _save_cross_encoder(model, tokenizer, folder)
-    return TinyPoolingModel(
-        "bert_cross_encoder",
-        folder,
-        task="score",
-        pooling_type="CLS",
-        normalize=False,
-        embedding_size=64,
-        max_model_len=ENCODER_MAX_POSITIONS,
-        num_labels=1,
-    )
+    return _cross_encoder("bert_cross_encoder", folder)
 
 
 def build_qwen3_embedder(folder: Path, seed: int = 15) -> TinyPoolingModel:

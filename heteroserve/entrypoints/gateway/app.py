@@ -125,6 +125,14 @@ def build_app(gateway: Gateway) -> FastAPI:
     async def chat_page():
         return HTMLResponse(web.chat_page())
 
+    @app.get("/static/{path:path}", include_in_schema=False)
+    async def chat_page_asset(path: str):
+        found = web.asset(path)
+        if found is None:
+            raise APIError(404, f"there is no page asset {path}")
+        content, media_type, cache = found
+        return Response(content, media_type=media_type, headers={"Cache-Control": cache})
+
     def backend_states() -> dict[str, str]:
         return {b.name: "up" if b.up else "down" for b in gateway.router.backends.values()}
 

@@ -114,6 +114,14 @@ def build_app(
     async def chat_page():
         return HTMLResponse(web.chat_page())
 
+    @app.get("/static/{path:path}", include_in_schema=False)
+    async def chat_page_asset(path: str):
+        found = web.asset(path)
+        if found is None:
+            raise APIError(404, f"there is no page asset {path}")
+        content, media_type, cache = found
+        return Response(content, media_type=media_type, headers={"Cache-Control": cache})
+
     @app.get("/health", responses=_PROBE_ERRORS)
     async def health():
         if not engine.is_alive:
@@ -143,6 +151,7 @@ def build_app(
             "owned_by": "heteroserve",
             "max_model_len": engine.engine.max_model_len,
             "task": engine.engine.task,  # generate, embed or score: which routes serve it
+            "capabilities": {"vision": engine.engine.image_processor is not None},  # the chat page's Image button
         }
 
     @app.get("/v1/models", responses=_API_ERRORS)

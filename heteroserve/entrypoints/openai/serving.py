@@ -34,6 +34,7 @@ class ServerSettings:
     chat_template_timeout: float = 5.0  # seconds one rendering may take
     max_request_body_bytes: int = 32 * 1024**2  # room for one image of --max-image-bytes' default, base64-encoded
     max_prompts_per_request: int = 256  # prompts in one completion request (each is an engine request)
+    metrics_prefix: str = "both"  # /metrics names: heteroserve:*, vllm:* or both (METRICS_PREFIXES)
 
 
 class Admission:
@@ -131,6 +132,8 @@ class OpenAIServing:
         return None if timeout is None else time.monotonic() + timeout
 
     def timed_out(self) -> APIError:
+        """The 408 of a request past --request-timeout, counted as an abort by timeout."""
+        self.metrics.observe_aborted("timeout")
         return APIError(408, f"the request did not finish within {self.settings.request_timeout} s")
 
     async def start(
@@ -144,13 +147,14 @@ class OpenAIServing:
     ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
         """Starts one engine request and waits for its first output, so bad input fails before any byte is sent.
         The request leaves its waiting `place` once the engine runs it."""
+        self.metrics.observe_params(params.n, params.max_tokens)
         stream = self.engine.generate(request_id, prompt, params, priority, place.leave if place else None)
         try:
             first = await self._next(stream, deadline)
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
         except EngineDeadError as exc:
-            raise APIError(500, str(exc)) from exc
+            raise self.engine_failed(exc) from exc
         return first, stream
 
     async def _next(self, stream: AsyncIterator[RequestOutput], deadline: float | None) -> RequestOutput:
@@ -170,8 +174,17 @@ class OpenAIServing:
             try:
                 output = await self._next(stream, deadline)
             except EngineDeadError as exc:
-                raise APIError(500, str(exc)) from exc
+                raise self.engine_failed(exc) from exc
             yield output
+
+    def engine_failed(self, error: EngineDeadError) -> APIError:
+        """The 500 of a request the engine failed under, counted as an abort by engine error."""
+        self.metrics.observe_aborted("engine_error")
+        return APIError(500, str(error))
+
+    def client_left(self) -> None:
+        """Counts a streamed answer whose client went away before its end."""
+        self.metrics.observe_aborted("client_disconnect")
 
     def stream_chunk(
         self, request_id: str, kind: str, created: int, choices: list[dict], totals: dict | None = None
@@ -260,3 +273,17 @@ async def merge(streams: list[AsyncIterator[tuple[int, RequestOutput]]]) -> Asyn
     finally:
         for task in tasks:
             task.cancel()
+
+
+def prompt_inputs(given: str | list, field: str) -> list[PromptInput]:
+    """A body's prompt field (completions' `prompt`, embeddings' `input`) as engine prompts: a string, strings,
+    token ids, or lists of token ids."""
+    if isinstance(given, str):
+        return [given]
+    if all(isinstance(item, int) for item in given):
+        return [{"prompt_token_ids": given}]
+    if all(isinstance(item, list) for item in given):
+        if any(not ids for ids in given):
+            raise APIError(400, f"{field}: token lists must not be empty", field)
+        return [{"prompt_token_ids": ids} for ids in given]
+    return list(given)

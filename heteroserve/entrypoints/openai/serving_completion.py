@@ -11,21 +11,16 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from heteroserve.engine.llm_engine import PromptInput
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.protocol import CompletionRequest, now, random_id
-from heteroserve.entrypoints.openai.serving import OpenAIServing, merge, prompt_logprobs_field, sse, usage
+from heteroserve.entrypoints.openai.serving import (
+    OpenAIServing,
+    merge,
+    prompt_inputs,
+    prompt_logprobs_field,
+    sse,
+    usage,
+)
 from heteroserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from heteroserve.sampling_params import SamplingParams
-
-
-def _prompts(prompt: str | list) -> list[PromptInput]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if all(isinstance(p, int) for p in prompt):
-        return [{"prompt_token_ids": prompt}]
-    if all(isinstance(p, list) for p in prompt):
-        if any(not p for p in prompt):
-            raise APIError(400, "prompt token lists must not be empty", "prompt")
-        return [{"prompt_token_ids": p} for p in prompt]
-    return list(prompt)
 
 
 def joined(first: dict | None, second: dict | None) -> dict | None:
@@ -43,7 +38,7 @@ class ServingCompletion(OpenAIServing):
         if request.max_tokens == 0 and not request.echo:
             raise APIError(400, "max_tokens must be >= 1 (0 only with echo=true, to score the prompt)", "max_tokens")
         place = self.check_capacity()
-        prompts = _prompts(request.prompt)
+        prompts = prompt_inputs(request.prompt, "prompt")
         limit = self.settings.max_prompts_per_request
         if len(prompts) > limit:
             raise APIError(

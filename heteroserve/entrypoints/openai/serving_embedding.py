@@ -8,22 +8,10 @@ import numpy as np
 import torch
 from fastapi.responses import JSONResponse
 
-from heteroserve.engine.llm_engine import PromptInput
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.protocol import EmbeddingRequest, now, random_id
-from heteroserve.entrypoints.openai.serving import usage
+from heteroserve.entrypoints.openai.serving import prompt_inputs, usage
 from heteroserve.entrypoints.openai.serving_pooling import PoolingServing
-
-
-def embedding_inputs(given: str | list) -> list[PromptInput]:
-    """The body's `input` as engine prompts: a string, strings, token ids, or lists of token ids."""
-    if isinstance(given, str):
-        return [given]
-    if all(isinstance(item, int) for item in given):
-        return [{"prompt_token_ids": given}]
-    if all(isinstance(item, list) for item in given):
-        return [{"prompt_token_ids": ids} for ids in given]
-    return list(given)
 
 
 def encode_embedding(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
@@ -42,7 +30,7 @@ class ServingEmbedding(PoolingServing):
         self.check(request, request.model, self.path, ("embed",))
         if request.input is None:
             raise APIError(400, "input: Field required", "input")
-        prompts = embedding_inputs(request.input)
+        prompts = prompt_inputs(request.input, "input")
         self.check_count(len(prompts), "input")
         normalize = request.normalize
         if request.use_activation is not None:
