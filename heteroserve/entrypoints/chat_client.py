@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import logging
 import os
 import signal
 import sys
@@ -44,8 +45,8 @@ def add_chat_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://localhost:8000", help="the server (with or without /v1)")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("HETEROSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
-        help="sent as 'Authorization: Bearer KEY' (default: $HETEROSERVE_API_KEY or $OPENAI_API_KEY)",
+        default=None,  # read from the environment at run time, so that --help never shows a key
+        help="sent as 'Authorization: Bearer KEY' (unset: $HETEROSERVE_API_KEY, then $OPENAI_API_KEY)",
     )
     parser.add_argument("--model", default=None, help="the served model to ask (default: the first of /v1/models)")
     parser.add_argument("--system-prompt", default=None, help="the conversation's first, system message")
@@ -118,7 +119,10 @@ class ServerBackend:
                     data = line[5:].strip()
                     if data == "[DONE]":
                         return
-                    chunk = json.loads(data)
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError as exc:
+                        raise ChatError(f"the server sent an unreadable event: {data[:200]}") from exc
                     if "error" in chunk:
                         raise ChatError(chunk["error"].get("message") or str(chunk["error"]))
                     for choice in chunk.get("choices") or []:
@@ -159,24 +163,24 @@ class LocalBackend:
         if "temperature" in sampling:
             params = params.clone(temperature=sampling["temperature"])
         request_id = f"chat-{next(self._ids)}"
-        try:
-            engine.add_request(request_id, prompt, params)
-        except ValueError as exc:
-            raise ChatError(str(exc)) from exc
-        finished = False
-        try:
-            with _stop_on_sigint() as stopped:
+        with _stop_on_sigint() as stopped:
+            try:
+                engine.add_request(request_id, prompt, params)
+            except ValueError as exc:
+                raise ChatError(str(exc)) from exc
+            finished = False
+            try:
                 while not finished and not stopped():
                     for output in engine.step():
                         finished = finished or output.finished
                         if output.outputs[0].text:
                             yield {"content": output.outputs[0].text}
-            if not finished:
-                raise KeyboardInterrupt
-        finally:
-            if not finished:  # interrupted, or the reader stopped: free the request's blocks
-                engine.abort_request(request_id)
-                engine.step()
+            finally:
+                if not finished:  # interrupted, or the reader stopped: free the request's blocks
+                    engine.abort_request(request_id)
+                    engine.step()
+        if not finished:
+            raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
@@ -339,13 +343,13 @@ def run_command(line: str, conversation: Conversation, model: str) -> bool:
 
 def run_chat(args: argparse.Namespace) -> None:
     """The command: connects (or loads the model), then asks --prompt questions or reads the user's."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would break into the answers
     color = sys.stdout.isatty() and not args.no_color and not os.environ.get("NO_COLOR")
     sampling = {k: v for k, v in (("temperature", args.temperature), ("max_tokens", args.max_tokens)) if v is not None}
+    api_key = args.api_key or os.environ.get("HETEROSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
     try:
         backend = (
-            LocalBackend(args.local, args)
-            if args.local is not None
-            else ServerBackend(args.url, args.api_key, args.model)
+            LocalBackend(args.local, args) if args.local is not None else ServerBackend(args.url, api_key, args.model)
         )
     except ChatError as exc:
         sys.exit(f"error: {exc}")

@@ -10,9 +10,11 @@ import sys
 import threading
 import time
 
+from heteroserve.entrypoints.chat_client import AnswerPrinter
 from tests.entrypoints.server_process import free_port
 
 PROMPT = "\nuser> "
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"  # the model's own default
 
 
 class ChatProcess:
@@ -67,9 +69,7 @@ class ChatProcess:
 
 
 def test_streams_answers_keeps_history_and_saves(server, tmp_path):
-    chat = ChatProcess(
-        "--url", server.base_url, "--temperature", "0", "--max-tokens", "24", "--system-prompt", "Answer briefly."
-    )
+    chat = ChatProcess("--url", server.base_url, "--temperature", "0", "--max-tokens", "24", "--system-prompt", SYSTEM)
     try:
         chat.wait_for("user> ")
         too_long, _ = chat.ask("word " * 3000)  # past --max-model-len 512: the server's 400, the chat goes on
@@ -149,3 +149,23 @@ def test_prompt_flag_asks_and_exits(server):
     chat = ChatProcess("--url", server.base_url + "/v1", "--max-tokens", "2", "--prompt", "Hi")
     assert chat.process.wait(60) == 0
     assert chat.output().startswith("user> Hi\n"), chat.output()
+
+
+def test_reasoning_and_tool_calls_are_shown_and_kept(capsys):
+    printer = AnswerPrinter(color=False)
+    deltas = [
+        {"role": "assistant", "content": ""},
+        {"reasoning_content": "The user wants "},
+        {"reasoning_content": "the weather."},
+        {"content": "Checking."},
+        {"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "get_weather", "arguments": '{"city": '}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]},
+    ]
+    for delta in deltas:
+        printer.feed(delta)
+    printer.finish()
+    assert capsys.readouterr().out == (
+        'thinking: The user wants the weather.\nChecking.\n[tool call] get_weather({"city": "Paris"})\n'
+    )
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert printer.message() == {"role": "assistant", "content": "Checking.", "tool_calls": [call]}
