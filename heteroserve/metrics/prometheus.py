@@ -219,7 +219,9 @@ class ServerMetrics:
             "num_gpu_blocks": engine.scheduler.kv_cache.pool.num_blocks,
         }
         Gauge(
-            PREFIX + "cache_config_info", "The KV cache's configuration (labels); always 1.", [*labels, *info],
+            PREFIX + "cache_config_info",
+            "The KV cache's configuration (labels); always 1.",
+            [*labels, *info],
             registry=own,
         ).labels(model_name, *map(str, info.values())).set(1)
 

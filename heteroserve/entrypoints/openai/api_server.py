@@ -37,7 +37,7 @@ from heteroserve.entrypoints.openai.serving_chat import ServingChat
 from heteroserve.entrypoints.openai.serving_completion import ServingCompletion
 from heteroserve.entrypoints.openai.serving_pooling import require_task
 from heteroserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
-from heteroserve.metrics.prometheus import ServerMetrics
+from heteroserve.metrics.prometheus import METRICS_PREFIXES, ServerMetrics
 from heteroserve.multimodal.media import MediaPolicy
 from heteroserve.pooling_params import PoolingParams
 from heteroserve.sampling_params import SamplingParams
@@ -65,7 +65,7 @@ def build_app(
     state = ServerState()
     app.state.server = state
     app.state.engine = engine
-    metrics = ServerMetrics(engine.engine, settings.served_model_names[0])
+    metrics = ServerMetrics(engine.engine, settings.served_model_names[0], settings.metrics_prefix)
     admission = Admission(settings.max_waiting_requests)  # one count for every route
     completions = ServingCompletion(engine, settings, metrics, admission)
     chats = ServingChat(engine, settings, metrics, admission)
@@ -168,14 +168,14 @@ def build_app(
         if log_requests:
             logger.info("completion request: %s", body.model_dump_json())
         require_task(completions, body.model, "/v1/completions", ("generate",))
-        return await unless_disconnected(request, completions.create(body))
+        return await unless_disconnected(request, completions.create(body), completions.client_left)
 
     @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         if log_requests:
             logger.info("chat request: %s", body.model_dump_json())
         require_task(chats, body.model, "/v1/chat/completions", ("generate",))
-        return await unless_disconnected(request, chats.create(body))
+        return await unless_disconnected(request, chats.create(body), chats.client_left)
 
     @app.post("/tokenize", responses=_API_ERRORS)
     async def tokenize(body: TokenizeRequest):
@@ -297,6 +297,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-prompts-per-request", type=int, default=256, help="prompts one completion request may hold"
     )
+    group.add_argument(
+        "--metrics-prefix",
+        choices=sorted(METRICS_PREFIXES),
+        default="both",
+        help="/metrics names: heteroserve:* (our dashboard), vllm:* (vLLM's dashboards, routers, autoscalers) or both",
+    )
     group.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
     group.add_argument("--enable-log-requests", action="store_true", help="log request bodies (prompts included)")
     group.add_argument("--uvicorn-log-level", default="info")
@@ -362,6 +368,7 @@ def run_server(args: argparse.Namespace) -> None:
         chat_template_timeout=args.chat_template_timeout,
         max_request_body_bytes=args.max_request_body_bytes,
         max_prompts_per_request=args.max_prompts_per_request,
+        metrics_prefix=args.metrics_prefix,
     )
     app = build_app(engine, settings, args.api_key, args.allowed_origins, args.enable_log_requests)
     server_config = uvicorn.Config(

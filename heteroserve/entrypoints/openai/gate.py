@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
@@ -112,9 +112,12 @@ def _replay(first: Message, receive: Receive) -> Receive:
     return replayed
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
+async def unless_disconnected(
+    request: Request, work: Awaitable[T], on_disconnect: Callable[[], None] | None = None
+) -> T | Response:
     """Runs `work` (a request handler) but cancels it if the client goes away first, which aborts its engine
-    request and frees its KV blocks. A stream that has started is watched by its StreamingResponse instead."""
+    request and frees its KV blocks; `on_disconnect` is then called (the abort metric). A stream that has started
+    is watched by its StreamingResponse instead."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
@@ -127,6 +130,8 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Respo
     if not task.done():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        if on_disconnect is not None:
+            on_disconnect()
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody is left to read it
     return task.result()
 

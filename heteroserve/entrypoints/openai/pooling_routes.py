@@ -35,17 +35,17 @@ def add_pooling_routes(
     async def create_embedding(body: EmbeddingRequest, request: Request):
         if log_requests:
             logger.info("embedding request: %s", body.model_dump_json())
-        return await unless_disconnected(request, embeddings.create(body))
+        return await unless_disconnected(request, embeddings.create(body), embeddings.client_left)
 
     async def rerank(body: RerankRequest, request: Request):
         if log_requests:
             logger.info("rerank request: %s", body.model_dump_json())
-        return await unless_disconnected(request, scores.rerank(body, request.url.path))
+        return await unless_disconnected(request, scores.rerank(body, request.url.path), scores.client_left)
 
     async def score(body: ScoreRequest, request: Request):
         if log_requests:
             logger.info("score request: %s", body.model_dump_json())
-        return await unless_disconnected(request, scores.score(body, request.url.path))
+        return await unless_disconnected(request, scores.score(body, request.url.path), scores.client_left)
 
     for path in ("/rerank", "/v1/rerank"):
         app.add_api_route(path, rerank, methods=["POST"], responses=responses, name="rerank")

@@ -333,6 +333,7 @@ class ServingChat(OpenAIServing):
         def choice(index: int, delta: dict, logprobs=None, finish_reason=None) -> str:
             return chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
 
+        answered = False  # every choice has finished
         try:
             for index in range(request.n):
                 yield choice(index, {"role": "assistant", "content": ""})
@@ -356,9 +357,14 @@ class ServingChat(OpenAIServing):
                             logprobs,
                             deltas.finish_reason(completion.finish_reason),
                         )
+            answered = True
             if request.stream_options and request.stream_options.include_usage:
                 generated = sum(counts.values())
                 yield chunk([], usage(prompt_tokens, generated))
         except APIError as exc:
             yield sse(exc.body())
+        except (asyncio.CancelledError, GeneratorExit):  # the client left (Starlette cancels or closes the stream)
+            if not answered:
+                self.client_left()
+            raise
         yield sse("[DONE]")

@@ -196,6 +196,7 @@ class ServingCompletion(OpenAIServing):
         chunk = functools.partial(self.stream_chunk, request_id, "text_completion", created)
 
         echo_only = request.max_tokens == 0
+        answered = False  # every choice has finished
         try:
             echoed: set[int] = set()
             async for i, output in merge([tagged(i, f, s) for i, (f, s) in enumerate(started)]):
@@ -232,9 +233,14 @@ class ServingCompletion(OpenAIServing):
                             }
                         ]
                     )
+            answered = True
             if request.stream_options and request.stream_options.include_usage:
                 generated = 0 if echo_only else sum(counts.values())
                 yield chunk([], usage(prompt_tokens, generated))
         except APIError as exc:
             yield sse(exc.body())
+        except (asyncio.CancelledError, GeneratorExit):  # the client left (Starlette cancels or closes the stream)
+            if not answered:
+                self.client_left()
+            raise
         yield sse("[DONE]")
