@@ -27,6 +27,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    inter_token_gaps: list[float] = field(default_factory=list)  # seconds between steps that gave it tokens
 
 
 @dataclass

@@ -57,6 +57,8 @@ class Request:
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    inter_token_gaps: list[float] = field(default_factory=list)  # between steps that appended output tokens
     finished_time: float | None = None
     prefix_leader: Request | None = None  # the n > 1 sibling whose prompt blocks this one reuses
     image_placeholders: list[ImagePlaceholder] = field(default_factory=list)

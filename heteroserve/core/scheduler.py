@@ -195,8 +195,12 @@ class Scheduler:
             self.num_draft_tokens += len(item.draft_token_ids)
             self.num_accepted_tokens += accepted
             request.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids) + accepted
-            if tokens and request.first_token_time is None:
-                request.first_token_time = now
+            if tokens:
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                else:
+                    request.inter_token_gaps.append(now - request.last_token_time)
+                request.last_token_time = now
             status = None
             for token in tokens:
                 request.append_output_token(token)

@@ -118,6 +118,7 @@ class OutputProcessor:
             finished_time=request.finished_time,
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
+            inter_token_gaps=request.inter_token_gaps,
         )
         request_id, outputs, all_done = request.request_id, [completion], finished
         parent = state.parent

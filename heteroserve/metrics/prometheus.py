@@ -44,15 +44,15 @@ def buckets_1_2_5(limit: int) -> tuple[int, ...]:
 
 
 class BucketCounts:
-    """A histogram kept as plain counts, for observations prometheus_client's Histogram cannot take: many equal
-    values at once (a request's token gaps) or counts binned at scrape time (steps by token count)."""
+    """A histogram kept as plain counts, for counts binned at scrape time (steps by token count), which
+    prometheus_client's Histogram cannot take."""
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound
         self.sum = 0.0
 
-    def observe(self, value: float, times: int = 1) -> None:
+    def observe(self, value: float, times: int) -> None:
         self.counts[bisect_left(self.bounds, value)] += times
         self.sum += value * times
 
@@ -114,21 +114,6 @@ class _EngineCollector:
         yield fallbacks
 
 
-class _Observed:
-    """Histograms fed in bulk (BucketCounts), exported with the registry's other metrics."""
-
-    def __init__(self, model_name: str) -> None:
-        self.labels = {"model_name": model_name}
-        self.inter_token_latency = BucketCounts(_TOKEN_BUCKETS)
-
-    def collect(self) -> Iterator[Metric]:
-        yield self.inter_token_latency.family(
-            PREFIX + "inter_token_latency_seconds",
-            "Time between consecutive output tokens (each gap of a request at the request's mean gap).",
-            self.labels,
-        )
-
-
 class _Prefixed:
     """Exports the families of `source` (all named heteroserve:*) under each of `prefixes`; under vllm: also by
     vLLM's older names (VLLM_OLD_NAMES). Metrics without our prefix (process_*) pass through unchanged."""
@@ -165,8 +150,6 @@ class ServerMetrics:
             raise ValueError(f"metrics prefix must be one of {', '.join(METRICS_PREFIXES)}, got {prefix!r}")
         own = CollectorRegistry()
         own.register(_EngineCollector(engine, model_name))
-        self.observed = _Observed(model_name)
-        own.register(self.observed)
         self.registry = CollectorRegistry()
         self.registry.register(_Prefixed(own, METRICS_PREFIXES[prefix]))
         ProcessCollector(registry=self.registry)
@@ -190,6 +173,9 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.tpot = histogram(
             "time_per_output_token_seconds", "Mean time per output token after the first.", _TOKEN_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between engine steps that gave a request new tokens.", _TOKEN_BUCKETS
         )
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
@@ -287,9 +273,9 @@ class ServerMetrics:
         if first is not None:
             self.ttft.labels(label).observe(first - metrics.arrival_time)
             if finished is not None and output_tokens > 1:
-                gap = (finished - first) / (output_tokens - 1)
-                self.tpot.labels(label).observe(gap)
-                self.observed.inter_token_latency.observe(gap, output_tokens - 1)
+                self.tpot.labels(label).observe((finished - first) / (output_tokens - 1))
+        for gap in metrics.inter_token_gaps:
+            self.inter_token_latency.labels(label).observe(gap)
         if finished is not None:
             self.e2e.labels(label).observe(finished - metrics.arrival_time)
         if scheduled is not None:

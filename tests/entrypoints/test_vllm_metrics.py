@@ -97,7 +97,7 @@ def test_buckets_follow_vllms():
     assert buckets_1_2_5(512) == (1, 2, 5, 10, 20, 50, 100, 200, 500)
     counts = BucketCounts((1, 8, 16))
     counts.observe(8, 3)
-    counts.observe(40)
+    counts.observe(40, 1)
     family = counts.family("x", "doc", {"model_name": "m"})
     buckets = {s.labels["le"]: s.value for s in family.samples if s.name == "x_bucket"}
     assert buckets == {"1.0": 0, "8.0": 3, "16.0": 3, "+Inf": 4}
@@ -128,6 +128,11 @@ def test_every_metric_under_both_prefixes_moves_under_load(server):
             prefix + "request_generation_tokens_sum", 0
         )
         assert 13 <= generated <= 17
+        # One step gives each of these (greedy, undrafted) sequences one token: a gap per token after the first.
+        gaps = after[prefix + "inter_token_latency_seconds_count"] - before.get(
+            prefix + "inter_token_latency_seconds_count", 0
+        )
+        assert gaps == generated - 3
     assert "vllm:gpu_cache_usage_perc" in after and "heteroserve:gpu_cache_usage_perc" not in after
     for name in PROCESS:
         assert after.get(name, 0) > 0, name
