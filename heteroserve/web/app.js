@@ -1,0 +1,575 @@
+// The chat page. Conversations are trees kept in localStorage: editing a message or regenerating an answer adds a
+// sibling, so every alternative stays reachable ("2/3"). Model output is Markdown rendered by markdown-it, with
+// highlight.js and KaTeX, and always passed through DOMPurify before it reaches the page.
+
+import { splitThinking, toSafeHtml } from "./markdown.js";
+import { addNode, failed, importedConversations, leafOf, newConversation, pathOf, removeNode, store } from "./conversations.js";
+const $ = (id) => document.getElementById(id);
+
+// ---- rendering -----------------------------------------------------------------------------------------------
+function renderMarkdown(element, text) {
+  element.innerHTML = toSafeHtml(text);
+  for (const pre of element.querySelectorAll("pre")) {
+    const box = document.createElement("div");
+    box.className = "code";
+    pre.replaceWith(box);
+    box.append(pre, button("Copy", "copy-code", "Copy the code", () => copyText(pre.innerText)));
+  }
+}
+
+async function copyText(text) {
+  try { await navigator.clipboard.writeText(text); }
+  catch { // not a secure context (a LAN address over http): the old way
+    const area = Object.assign(document.createElement("textarea"), { value: text });
+    document.body.append(area); area.select(); document.execCommand("copy"); area.remove();
+  }
+}
+
+function button(text, className, label, onClick) {
+  const b = Object.assign(document.createElement("button"), { type: "button", className, textContent: text });
+  b.setAttribute("aria-label", label);
+  b.title = label;
+  b.addEventListener("click", onClick);
+  return b;
+}
+
+let conversations = store.get("conversations", []); // the index: [{id, title, updated}], newest first
+let conv = null;
+let controller = null; // the AbortController of the reply being streamed
+
+function saveConversation(c = conv) {
+  c.updated = Date.now();
+  try { store.set("conversation." + c.id, c); }
+  catch { // images can outgrow localStorage: keep the conversation's text at least
+    const light = structuredClone(c);
+    for (const n of Object.values(light.nodes)) {
+      if (n.images?.length) { n.content = `[${n.images.length} image(s) not kept] ` + n.content; delete n.images; }
+    }
+    try { store.set("conversation." + c.id, light); } catch (e) { showNotice("Could not save: " + e.message); }
+  }
+  conversations = [{ id: c.id, title: c.title, updated: c.updated }, ...conversations.filter((e) => e.id !== c.id)];
+  store.set("conversations", conversations);
+  store.set("current", c.id);
+  renderList();
+}
+function openConversation(id) {
+  controller?.abort();
+  if (conv && conv.id !== id && conv.nodes.root.children.length === 0) deleteConversation(conv.id, false);
+  conv = store.get("conversation." + id, null) ?? newConversation();
+  store.set("current", conv.id);
+  closeSidebarOnPhone();
+  render();
+  renderList();
+}
+function startConversation() {
+  if (conv && conv.nodes.root.children.length === 0) { $("input").focus(); closeSidebarOnPhone(); return; }
+  controller?.abort();
+  conv = newConversation();
+  saveConversation();
+  render();
+  closeSidebarOnPhone();
+  $("input").focus();
+}
+function deleteConversation(id, openNext = true) {
+  store.remove("conversation." + id);
+  conversations = conversations.filter((e) => e.id !== id);
+  store.set("conversations", conversations);
+  if (openNext && conv?.id === id) {
+    conv = null;
+    if (conversations.length) openConversation(conversations[0].id); else startConversation();
+  }
+  renderList();
+}
+function renameConversation(id, title) {
+  const c = conv?.id === id ? conv : store.get("conversation." + id, null);
+  if (!c || !title.trim()) return;
+  c.title = title.trim().slice(0, 120);
+  saveConversation(c);
+  if (conv.id === id) $("title").textContent = c.title;
+}
+
+function renderList() {
+  const list = $("conversations"), query = $("search").value.trim().toLowerCase();
+  list.innerHTML = "";
+  for (const entry of conversations) {
+    if (query && !entry.title.toLowerCase().includes(query) && !matches(entry.id, query)) continue;
+    const li = document.createElement("li");
+    li.classList.toggle("current", entry.id === conv?.id);
+    const open = button(entry.title, "open", "Open " + entry.title, () => openConversation(entry.id));
+    if (entry.id === conv?.id) open.setAttribute("aria-current", "true");
+    const rename = button("✎", "link rename", "Rename " + entry.title, () => {
+      const field = Object.assign(document.createElement("input"), { value: entry.title });
+      field.setAttribute("aria-label", "New title");
+      const done = (keep) => { if (keep) renameConversation(entry.id, field.value); renderList(); };
+      field.addEventListener("keydown", (e) => {
+        if (e.key === "Enter") done(true);
+        if (e.key === "Escape") { e.stopPropagation(); done(false); }
+      });
+      field.addEventListener("blur", () => done(true));
+      open.replaceWith(field);
+      field.focus(); field.select();
+    });
+    const remove = button("✕", "link delete", "Delete " + entry.title, () => {
+      if (remove.classList.contains("armed")) { deleteConversation(entry.id); return; }
+      remove.classList.add("armed"); remove.textContent = "Delete?"; // a second click within 4 s deletes
+      setTimeout(() => { remove.classList.remove("armed"); remove.textContent = "✕"; }, 4000);
+    });
+    li.append(open, rename, remove);
+    list.append(li);
+  }
+}
+function matches(id, query) {
+  const c = id === conv?.id ? conv : store.get("conversation." + id, null);
+  return !!c && Object.values(c.nodes).some((n) => n.content?.toLowerCase().includes(query));
+}
+
+// ---- the messages ----------------------------------------------------------------------------------------------
+const nearBottom = () => { const l = $("log"); return l.scrollHeight - l.scrollTop - l.clientHeight < 80; };
+
+function render() {
+  const log = $("log");
+  log.innerHTML = "";
+  $("title").textContent = conv.title;
+  const path = pathOf(conv);
+  if (!path.length) log.innerHTML = '<p class="empty">Start a conversation below.</p>';
+  path.forEach((node, i) => log.append(messageElement(node, failed(path, i))));
+  log.scrollTop = log.scrollHeight;
+}
+
+function messageElement(node, isFailed, streaming = false) {
+  const div = document.createElement("div");
+  div.className = `msg ${node.role}${node.role === "error" ? " error" : ""}${isFailed ? " failed" : ""}`;
+  div.dataset.id = node.id;
+  const role = Object.assign(document.createElement("div"), { className: "role", textContent: node.role });
+  div.append(role);
+  if (node.images?.length) {
+    const images = Object.assign(document.createElement("div"), { className: "images" });
+    for (const url of node.images) images.append(Object.assign(document.createElement("img"), { src: url, alt: "attached image" }));
+    div.append(images);
+  }
+  const body = Object.assign(document.createElement("div"), { className: "body" });
+  if (node.role === "assistant") {
+    const { thinking, answer, thinkingDone } = splitThinking(node.content);
+    const reasoning = (node.reasoning ?? "") + thinking;
+    if (reasoning) {
+      const details = document.createElement("details");
+      details.className = "reasoning";
+      details.open = streaming && !answer;
+      const summary = streaming && !(thinkingDone && answer) ? "Thinking…" : "Reasoning";
+      details.append(Object.assign(document.createElement("summary"), { textContent: summary }),
+                     Object.assign(document.createElement("div"), { className: "thinking", textContent: reasoning }));
+      div.append(details);
+    }
+    for (const call of node.tools ?? []) div.append(toolCallElement(call));
+    renderMarkdown(body, answer);
+  } else if (node.role === "user") {
+    renderMarkdown(body, node.content);
+  } else {
+    body.textContent = node.content;
+  }
+  div.append(body);
+  if (node.stats) div.append(Object.assign(document.createElement("div"), { className: "meta", textContent: statsText(node.stats) }));
+  if (!streaming) div.append(actionsElement(node));
+  return div;
+}
+
+function toolCallElement(call) {
+  let args = call.function?.arguments ?? "";
+  try { args = JSON.stringify(JSON.parse(args), null, 2); } catch { /* still streaming, or not JSON: as sent */ }
+  const details = document.createElement("details");
+  details.className = "tool-call";
+  details.open = true;
+  details.append(Object.assign(document.createElement("summary"), { textContent: `Tool call: ${call.function?.name ?? "?"}` }),
+                 Object.assign(document.createElement("pre"), { textContent: args }));
+  return details;
+}
+
+function statsText(s) {
+  const parts = [];
+  if (s.completion_tokens !== undefined) parts.push(`${s.estimated ? "~" : ""}${s.completion_tokens} tokens`);
+  if (s.tokens_per_s) parts.push(`${s.tokens_per_s.toFixed(1)} tokens/s`);
+  if (s.ttft_ms !== undefined) parts.push(`first token ${Math.round(s.ttft_ms)} ms`);
+  if (s.prompt_tokens !== undefined) parts.push(`prompt ${s.prompt_tokens} tokens`);
+  if (s.stopped) parts.push("stopped");
+  return parts.join(" · ");
+}
+
+function actionsElement(node) {
+  const bar = Object.assign(document.createElement("div"), { className: "actions" });
+  const siblings = conv.nodes[node.parent].children;
+  if (siblings.length > 1) {
+    const i = siblings.indexOf(node.id);
+    const go = (j) => { conv.nodes[node.parent].active = siblings[j]; conv.current = leafOf(conv, siblings[j]); saveConversation(); render(); };
+    const prev = button("‹", "link prev", "Previous alternative", () => go(i - 1));
+    const next = button("›", "link next", "Next alternative", () => go(i + 1));
+    prev.disabled = i === 0; next.disabled = i === siblings.length - 1;
+    const count = Object.assign(document.createElement("span"), { className: "siblings", textContent: `${i + 1}/${siblings.length}` });
+    bar.append(prev, count, next);
+  }
+  if (node.role !== "error") bar.append(button("Copy", "link copy", "Copy the message", () => copyText(node.content)));
+  if (node.role !== "error") bar.append(button("Edit", "link edit", "Edit the message", () => editMessage(node)));
+  if (node.role !== "user") bar.append(button("Regenerate", "link regenerate", "Regenerate the answer", () => regenerate(node)));
+  return bar;
+}
+
+function editMessage(node) {
+  if (controller) return;
+  const div = $("log").querySelector(`[data-id="${node.id}"]`);
+  const box = Object.assign(document.createElement("textarea"), { className: "edit-box", value: node.content });
+  box.setAttribute("aria-label", "Edit the message");
+  const bar = Object.assign(document.createElement("div"), { className: "actions" });
+  const save = () => {
+    if (node.role === "user") { // a new sibling: the old message and its answers stay reachable
+      const edited = addNode(conv, node.parent, { role: "user", content: box.value, ...(node.images ? { images: node.images } : {}) });
+      generate(edited.id);
+    } else { node.content = box.value; saveConversation(); render(); }
+  };
+  bar.append(button(node.role === "user" ? "Send" : "Save", "save-edit", "Save the edit", save),
+             button("Cancel", "link cancel-edit", "Cancel the edit", render));
+  box.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); save(); }
+    if (e.key === "Escape") { e.stopPropagation(); render(); }
+  });
+  div.querySelector(".body").replaceWith(box);
+  div.querySelector(".actions").replaceWith(bar);
+  box.focus();
+}
+
+function regenerate(node) {
+  if (controller) return;
+  let parent = node.parent; // the user message this answers
+  while (parent !== "root" && conv.nodes[parent].role !== "user") parent = conv.nodes[parent].parent;
+  if (parent !== "root") generate(parent);
+}
+
+// ---- the API -----------------------------------------------------------------------------------------------------
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  if ($("api-key").value) h.Authorization = "Bearer " + $("api-key").value;
+  return h;
+}
+async function errorText(response) {
+  try { const body = await response.json(); return `${response.status}: ${body.error?.message ?? JSON.stringify(body)}`; }
+  catch { return `${response.status} ${response.statusText}`; }
+}
+function showNotice(text) {
+  const div = Object.assign(document.createElement("div"), { className: "msg error notice" });
+  div.append(Object.assign(document.createElement("div"), { className: "role", textContent: "error" }),
+             Object.assign(document.createElement("div"), { className: "body", textContent: text }));
+  $("log").append(div);
+}
+
+// A message with images goes as OpenAI content parts: the images as data: URLs, then the text.
+function apiContent(m) {
+  if (!m.images?.length) return m.content;
+  const parts = m.images.map((url) => ({ type: "image_url", image_url: { url } }));
+  return m.content ? [...parts, { type: "text", text: m.content }] : parts;
+}
+function apiMessages(upTo) {
+  const messages = [];
+  if ($("system").value.trim()) messages.push({ role: "system", content: $("system").value.trim() });
+  const path = pathOf(conv, upTo);
+  path.forEach((m, i) => { // a turn refused once (too long, say) is not sent again, nor its error
+    if (m.role === "error" || failed(path, i)) return;
+    if (m.role === "assistant") messages.push({ role: "assistant", content: splitThinking(m.content).answer });
+    else messages.push({ role: m.role, content: apiContent(m) });
+  });
+  return messages;
+}
+
+const SAMPLING = [ // [field, request key, parse]; an empty field leaves the server's default
+  ["top-p", "top_p", Number], ["top-k", "top_k", Number], ["min-p", "min_p", Number],
+  ["repetition-penalty", "repetition_penalty", Number], ["presence-penalty", "presence_penalty", Number],
+  ["frequency-penalty", "frequency_penalty", Number], ["seed", "seed", Number],
+];
+function requestBody(messages) {
+  const body = { model: $("model").value, messages, stream: true, stream_options: { include_usage: true },
+                 temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value) };
+  for (const [id, key, parse] of SAMPLING) if ($(id).value.trim() !== "") body[key] = parse($(id).value);
+  return body;
+}
+
+// Streams an answer to the message `parentId` into a new assistant node under it.
+async function generate(parentId) {
+  const c = conv;
+  const node = addNode(c, parentId, { role: "assistant", content: "", model: $("model").value });
+  const messages = apiMessages(parentId);
+  saveConversation(c); // the question survives a reload while the answer streams
+  render();
+  controller = new AbortController();
+  setBusy(true);
+  const started = performance.now();
+  let first = null, chunks = 0, usage = null, pending = null;
+  const update = () => {
+    pending = null;
+    const old = $("log").querySelector(`[data-id="${node.id}"]`);
+    if (!old) return;
+    const follow = nearBottom();
+    old.replaceWith(messageElement(node, false, true));
+    if (follow) $("log").scrollTop = $("log").scrollHeight;
+  };
+  try {
+    const response = await fetch("/v1/chat/completions", {
+      method: "POST", headers: headers(), signal: controller.signal, body: JSON.stringify(requestBody(messages)),
+    });
+    if (!response.ok) throw new Error(await errorText(response));
+    const reader = response.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, cut); buffer = buffer.slice(cut + 2);
+        const data = event.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.replace(/^data: ?/, "")).join("\n");
+        if (!data || data === "[DONE]") continue;
+        const chunk = JSON.parse(data);
+        if (chunk.error) throw new Error(chunk.error.message);
+        if (chunk.usage) usage = chunk.usage;
+        const delta = chunk.choices?.[0]?.delta;
+        if (!delta) continue;
+        const reasoning = delta.reasoning_content ?? delta.reasoning;
+        if (delta.content || reasoning || delta.tool_calls) { first ??= performance.now(); chunks += 1; }
+        if (delta.content) node.content += delta.content;
+        if (reasoning) node.reasoning = (node.reasoning ?? "") + reasoning;
+        for (const call of delta.tool_calls ?? []) {
+          node.tools ??= [];
+          const index = call.index ?? node.tools.length;
+          const slot = (node.tools[index] ??= { id: call.id, type: "function", function: { name: "", arguments: "" } });
+          if (call.function?.name) slot.function.name += call.function.name;
+          if (call.function?.arguments) slot.function.arguments += call.function.arguments;
+        }
+        pending ??= setTimeout(update, 40);
+      }
+    }
+  } catch (e) {
+    if (e.name !== "AbortError") {
+      const partial = node.content || node.reasoning || node.tools;
+      if (!partial) removeNode(c, node.id);
+      addNode(c, partial ? node.id : parentId, { role: "error", content: e.message });
+    }
+  } finally {
+    clearTimeout(pending);
+    const ended = performance.now();
+    if (c.nodes[node.id]) {
+      if (!node.content && !node.reasoning && !node.tools) removeNode(c, node.id); // stopped before a token
+      else {
+        const tokens = usage?.completion_tokens ?? chunks;
+        // The decode rate after the first token; an answer that came in one burst is rated over the whole request.
+        const decoding = first !== null && ended - first >= 50 && tokens > 1;
+        const tokensPerS = decoding ? (tokens - 1) / ((ended - first) / 1000) : tokens / ((ended - started) / 1000);
+        node.stats = { completion_tokens: tokens, prompt_tokens: usage?.prompt_tokens, estimated: !usage,
+                       ttft_ms: first !== null ? first - started : undefined, tokens_per_s: tokensPerS, stopped: !usage };
+      }
+    }
+    controller = null;
+    setBusy(false);
+    saveConversation(c);
+    if (conv === c) render();
+  }
+}
+
+function setBusy(busy) {
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+  $("log").setAttribute("aria-busy", String(busy));
+}
+
+function send() {
+  const text = $("input").value.trim();
+  if ((!text && !attachments.length) || controller) return;
+  const user = addNode(conv, conv.current, { role: "user", content: text, ...(attachments.length ? { images: attachments } : {}) });
+  if (conv.title === "New conversation") conv.title = (text || "Images").replace(/\s+/g, " ").slice(0, 60);
+  $("input").value = ""; attachments = []; showAttachments();
+  generate(user.id);
+}
+
+// ---- models, and what they take ----------------------------------------------------------------------------------
+let cards = [];
+async function loadModels() {
+  try {
+    const r = await fetch("/v1/models", { headers: headers() });
+    if (!r.ok) throw new Error(await errorText(r));
+    cards = (await r.json()).data.filter((m) => !m.task || m.task === "generate");
+    const select = $("model");
+    select.innerHTML = "";
+    for (const m of cards) select.append(Object.assign(document.createElement("option"), { value: m.id, textContent: m.id }));
+    const saved = store.get("model", null);
+    if (saved && cards.some((m) => m.id === saved)) select.value = saved;
+    showCapabilities();
+  } catch (e) { showNotice("Could not list models: " + e.message); }
+}
+// The Image button is offered unless the card says the model takes no images (a card without capabilities, from
+// another server, keeps it).
+const takesImages = () => cards.find((m) => m.id === $("model").value)?.capabilities?.vision !== false;
+function showCapabilities() {
+  $("attach-label").hidden = !takesImages();
+  if (!takesImages() && attachments.length) { attachments = []; showAttachments(); }
+}
+$("model").addEventListener("change", () => { store.set("model", $("model").value); showCapabilities(); });
+$("api-key").addEventListener("change", loadModels);
+
+// ---- images ------------------------------------------------------------------------------------------------------
+let attachments = []; // data: URLs of the images to send with the next message
+function readAsDataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+async function attach(files) {
+  if (!takesImages()) { showNotice(`${$("model").value} does not take images`); return; }
+  for (const file of files) if (file.type.startsWith("image/")) attachments.push(await readAsDataURL(file));
+  showAttachments();
+}
+function showAttachments() {
+  const strip = $("attachments");
+  strip.innerHTML = "";
+  attachments.forEach((url, i) => {
+    const img = Object.assign(document.createElement("img"), { src: url, alt: `image ${i + 1} to send (click to remove)` });
+    img.addEventListener("click", () => { attachments.splice(i, 1); showAttachments(); });
+    strip.append(img);
+  });
+}
+const imageFiles = (list) => [...(list ?? [])].filter((f) => f.type.startsWith("image/"));
+$("attach").addEventListener("change", async (e) => { await attach([...e.target.files]); e.target.value = ""; });
+$("input").addEventListener("paste", (e) => {
+  const files = imageFiles(e.clipboardData?.files);
+  if (files.length) { e.preventDefault(); attach(files); }
+});
+const main = document.querySelector("main");
+main.addEventListener("dragover", (e) => {
+  if (!e.dataTransfer?.types.includes("Files")) return;
+  e.preventDefault();
+  main.classList.add("dragging");
+});
+main.addEventListener("dragleave", () => main.classList.remove("dragging"));
+main.addEventListener("drop", (e) => {
+  main.classList.remove("dragging");
+  const files = imageFiles(e.dataTransfer?.files);
+  if (files.length) { e.preventDefault(); attach(files); }
+});
+
+// ---- settings and presets ----------------------------------------------------------------------------------------
+const SETTINGS = ["system", "temperature", "max-tokens", "top-p", "top-k", "min-p", "repetition-penalty",
+                  "presence-penalty", "frequency-penalty", "seed"];
+const settingKey = (id) => id.replace(/-(\w)/g, (_, c) => c.toUpperCase()); // max-tokens -> maxTokens, as before
+for (const id of [...SETTINGS, "api-key"]) {
+  const saved = store.get(settingKey(id), null);
+  if (saved !== null) $(id).value = saved;
+  $(id).addEventListener("change", () => store.set(settingKey(id), $(id).value));
+}
+const showTemperature = () => { $("temperature-value").textContent = $("temperature").value; };
+$("temperature").addEventListener("input", showTemperature);
+showTemperature();
+
+function renderPresets() {
+  const select = $("preset"), presets = store.get("presets", {});
+  select.length = 1;
+  for (const name of Object.keys(presets).sort()) {
+    select.append(Object.assign(document.createElement("option"), { value: name, textContent: name }));
+  }
+}
+$("save-preset").addEventListener("click", () => {
+  const name = $("preset-name").value.trim();
+  if (!name) { $("preset-name").focus(); return; }
+  store.set("presets", { ...store.get("presets", {}), [name]: Object.fromEntries(SETTINGS.map((id) => [id, $(id).value])) });
+  renderPresets();
+  $("preset").value = name;
+});
+$("preset").addEventListener("change", () => {
+  const preset = store.get("presets", {})[$("preset").value];
+  if (!preset) return;
+  for (const id of SETTINGS) { $(id).value = preset[id] ?? ""; $(id).dispatchEvent(new Event("change")); }
+  showTemperature();
+});
+$("delete-preset").addEventListener("click", () => {
+  const presets = store.get("presets", {});
+  delete presets[$("preset").value];
+  store.set("presets", presets);
+  renderPresets();
+});
+$("open-settings").addEventListener("click", () => $("settings").showModal());
+renderPresets();
+
+// ---- import and export -------------------------------------------------------------------------------------------
+$("export").addEventListener("click", () => {
+  const all = conversations.map((e) => (e.id === conv.id ? conv : store.get("conversation." + e.id, null))).filter(Boolean);
+  const file = new Blob([JSON.stringify({ format: "heteroserve-chat", version: 1, conversations: all }, null, 1)], { type: "application/json" });
+  const a = Object.assign(document.createElement("a"), { href: URL.createObjectURL(file), download: "heteroserve-conversations.json" });
+  a.click();
+  setTimeout(() => URL.revokeObjectURL(a.href), 1000);
+});
+
+$("import-file").addEventListener("change", async (e) => {
+  const file = e.target.files[0];
+  e.target.value = "";
+  if (!file) return;
+  try {
+    const imported = importedConversations(JSON.parse(await file.text()));
+    for (const c of imported.reverse()) saveConversation(c);
+    openConversation(imported.at(-1).id);
+  } catch (err) { showNotice("Could not import " + file.name + ": " + err.message); }
+});
+
+// ---- layout, theme and keys --------------------------------------------------------------------------------------
+const narrow = window.matchMedia("(max-width: 760px)");
+function closeSidebarOnPhone() { if (narrow.matches) setSidebarOpen(false); }
+function setSidebarOpen(open) {
+  document.body.classList.toggle("sidebar-open", open);
+  $("scrim").hidden = !open;
+  $("toggle-sidebar").setAttribute("aria-expanded", String(open));
+}
+$("toggle-sidebar").addEventListener("click", () => {
+  if (narrow.matches) setSidebarOpen(!document.body.classList.contains("sidebar-open"));
+  else { document.body.classList.toggle("sidebar-hidden"); store.set("sidebarHidden", document.body.classList.contains("sidebar-hidden")); }
+});
+$("close-sidebar").addEventListener("click", () => setSidebarOpen(false));
+$("scrim").addEventListener("click", () => setSidebarOpen(false));
+document.body.classList.toggle("sidebar-hidden", store.get("sidebarHidden", false));
+
+const THEMES = ["auto", "light", "dark"];
+function applyTheme(theme) {
+  if (theme === "auto") delete document.documentElement.dataset.theme; else document.documentElement.dataset.theme = theme;
+  const label = `Theme: ${theme === "auto" ? "follows the system" : theme} (click to change)`;
+  $("theme").setAttribute("aria-label", label);
+  $("theme").title = label;
+}
+$("theme").addEventListener("click", () => {
+  const theme = THEMES[(THEMES.indexOf(store.get("theme", "auto")) + 1) % THEMES.length];
+  store.set("theme", theme);
+  applyTheme(theme);
+});
+applyTheme(store.get("theme", "auto"));
+
+$("composer").addEventListener("submit", (e) => { e.preventDefault(); send(); });
+$("input").addEventListener("keydown", (e) => {
+  if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); $("composer").requestSubmit(); }
+});
+$("stop").addEventListener("click", () => controller?.abort());
+$("new-chat").addEventListener("click", startConversation);
+$("search").addEventListener("input", renderList);
+document.addEventListener("keydown", (e) => {
+  if (e.key === "Escape" && controller) { e.preventDefault(); controller.abort(); }
+  else if (e.key === "Escape" && document.body.classList.contains("sidebar-open")) setSidebarOpen(false);
+  else if ((e.ctrlKey || e.metaKey) && e.shiftKey && e.key.toLowerCase() === "o") { e.preventDefault(); startConversation(); }
+});
+
+// ---- start -------------------------------------------------------------------------------------------------------
+(function start() {
+  const legacy = store.get("history", null); // the single conversation of the page before conversation lists
+  if (Array.isArray(legacy) && legacy.length) {
+    const [c] = importedConversations({ title: "Earlier conversation", messages: legacy });
+    saveConversation(c);
+  }
+  store.remove("history");
+  const current = store.get("current", null);
+  if (current && conversations.some((e) => e.id === current)) openConversation(current);
+  else if (conversations.length) openConversation(conversations[0].id);
+  else startConversation();
+  loadModels();
+})();
