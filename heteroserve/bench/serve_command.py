@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import tempfile
+from dataclasses import dataclass
 
 import httpx
 
@@ -53,7 +54,19 @@ def server_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def run_serve_bench(args: argparse.Namespace) -> None:
+@dataclass
+class ServePrompts:
+    """Scenario C's requests, and prompts of their own for the concurrency-1 runs, the paired TTFT rounds and each
+    later throughput round, so no side finds another's prompts in its prefix cache."""
+
+    requests: list[tuple[list[int], int]]
+    single: list[list[int]]
+    fresh: list[list[int]]
+    later_rounds: list[list[tuple[list[int], int]]]
+
+
+def _check_args(args: argparse.Namespace) -> tuple[bool, bool]:
+    """Fills the defaults and refuses contradictory flags; (own server, compare with the offline engine)."""
     if args.max_model_len is None:
         args.max_model_len = 2048
     if args.gateway:
@@ -68,10 +81,12 @@ def run_serve_bench(args: argparse.Namespace) -> None:
         raise SystemExit("--ttft-rounds above 1 restarts the server: drop --base-url")
     if args.rounds < 1 or (args.rounds > 1 and not (compare or args.gateway)):
         raise SystemExit("--rounds must be at least 1, and above 1 only with --compare-offline or --gateway")
+    return own, compare
+
+
+def _prompts(args: argparse.Namespace) -> ServePrompts:
     tokenizer = load_tokenizer(resolve_model(args.model))
     vocab = len(tokenizer) if tokenizer is not None else 0
-    # Concurrency-1 requests (and the paired offline comparison) and each later round use prompts of their own,
-    # so no side finds them in its prefix cache.
     n, singles = args.num_requests, args.ttft_requests
     wanted = n * args.rounds + 2 * singles
     every = dataset(tokenizer, vocab, args, "C", wanted)
@@ -80,10 +95,63 @@ def run_serve_bench(args: argparse.Namespace) -> None:
             f"{args.dataset} has {len(every)} prompts; this run needs {wanted} "
             "(--num-requests x --rounds + 2 x --ttft-requests)"
         )
-    requests = every[:n]
-    single = [p for p, _ in every[n : n + singles]]
-    fresh_prompts = [p for p, _ in every[n + singles : n + 2 * singles]]
-    later_rounds = [every[n + 2 * singles + r * n : n + 2 * singles + (r + 1) * n] for r in range(args.rounds - 1)]
+    return ServePrompts(
+        requests=every[:n],
+        single=[p for p, _ in every[n : n + singles]],
+        fresh=[p for p, _ in every[n + singles : n + 2 * singles]],
+        later_rounds=[every[n + 2 * singles + r * n : n + 2 * singles + (r + 1) * n] for r in range(args.rounds - 1)],
+    )
+
+
+def _measure(target: str, model: str | None, prompts: ServePrompts, args: argparse.Namespace) -> tuple[dict, list]:
+    """Scenario C's clients against `target`, then the concurrency-1 requests one at a time."""
+    asyncio.run(run_clients(target, prompts.requests[:1], 1, None, model, args.api_key))  # warm-up
+    wall, timings = asyncio.run(
+        run_clients(target, prompts.requests, args.concurrency, args.request_rate, model, args.api_key, args.seed)
+    )
+    summary = summarize(wall, timings)
+    one_at_a_time = [(p, TTFT_OUTPUT_LEN) for p in prompts.single]
+    ttft_wall, ttft_timings = asyncio.run(run_clients(target, one_at_a_time, 1, None, model, args.api_key))
+    summary["concurrency_1"] = summarize(ttft_wall, ttft_timings)
+    return summary, timings
+
+
+def _offline_comparison(serving: dict, direct, prompts: ServePrompts, args: argparse.Namespace) -> tuple[dict, object]:
+    """The offline engine on the same requests, throughput rounds alternating with the server's (the server idles
+    while the offline engine runs, and the other way round); also returns the engine for the paired TTFT."""
+    engine = build_engine(args)
+    batch = run_batch(engine, prompts.requests)
+    offline_s = batch.output_tokens / batch.wall_s
+    pairs = alternate_throughput(
+        (serving["output_tokens_per_s"], offline_s), direct, offline_throughput(engine), prompts.later_rounds
+    )
+    ratios = [server / offline for server, offline in pairs]
+    rounds = pooled_rounds(pairs, ("server", "offline"), ratios)
+    return {"output_tokens_per_s": offline_s, "throughput_rounds": rounds}, engine
+
+
+def _gateway_comparison(url: str, serving: dict, direct, prompts: ServePrompts, args: argparse.Namespace) -> dict:
+    """The same clients through a gateway in front of the server: throughput rounds and paired TTFT."""
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    with tempfile.TemporaryDirectory() as folder:
+        gateway = start_gateway(url, model, folder)
+        try:
+            via_gateway, _ = _measure(gateway.url, model, prompts, args)
+            first = (serving["output_tokens_per_s"], via_gateway["output_tokens_per_s"])
+            through = served_throughput(gateway.url, args, model)
+            pairs = alternate_throughput(first, direct, through, prompts.later_rounds)
+            ratios = [gateway_s / direct_s for direct_s, gateway_s in pairs]
+            via_gateway["throughput_rounds"] = pooled_rounds(pairs, ("direct", "gateway"), ratios)
+            ttft_pairs = paired_gateway_ttft(url, gateway.url, model, args.api_key, prompts.single)
+            via_gateway["paired_ttft"] = asyncio.run(ttft_pairs)
+        finally:
+            gateway.stop()
+    return via_gateway
+
+
+def run_serve_bench(args: argparse.Namespace) -> None:
+    own, compare = _check_args(args)
+    prompts = _prompts(args)
     server = OwnServer(args.model, server_flags(args)) if own else None
     url = server.url if own else args.base_url.rstrip("/")
     try:
@@ -94,64 +162,31 @@ def run_serve_bench(args: argparse.Namespace) -> None:
             server.stop()
         raise SystemExit(f"cannot reach an OpenAI-compatible server at {url}: {exc}") from exc
 
-    def measure(target: str, model: str | None) -> tuple[dict, list]:
-        asyncio.run(run_clients(target, requests[:1], 1, None, model, args.api_key))  # warm-up
-        wall, timings = asyncio.run(
-            run_clients(target, requests, args.concurrency, args.request_rate, model, args.api_key, args.seed)
-        )
-        summary = summarize(wall, timings)
-        one_at_a_time = [(p, TTFT_OUTPUT_LEN) for p in single]
-        ttft_wall, ttft_timings = asyncio.run(run_clients(target, one_at_a_time, 1, None, model, args.api_key))
-        summary["concurrency_1"] = summarize(ttft_wall, ttft_timings)
-        return summary, timings
-
     via_gateway = offline = None
     try:
-        serving, timings = measure(url, args.served_model)
+        serving, timings = _measure(url, args.served_model, prompts, args)
         direct = served_throughput(url, args, args.served_model)
-        if compare:  # the server idles while the offline engine runs, and the other way round
-            engine = build_engine(args)
-            batch = run_batch(engine, requests)
-            offline_s = batch.output_tokens / batch.wall_s
-            pairs = alternate_throughput(
-                (serving["output_tokens_per_s"], offline_s), direct, offline_throughput(engine), later_rounds
-            )
-            ratios = [server / offline for server, offline in pairs]
-            offline = {
-                "output_tokens_per_s": offline_s,
-                "throughput_rounds": pooled_rounds(pairs, ("server", "offline"), ratios),
-            }
+        if compare:
+            offline, engine = _offline_comparison(serving, direct, prompts, args)
         if args.gateway:
-            model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-            with tempfile.TemporaryDirectory() as folder:
-                gateway = start_gateway(url, model, folder)
-                try:
-                    via_gateway, _ = measure(gateway.url, model)
-                    first = (serving["output_tokens_per_s"], via_gateway["output_tokens_per_s"])
-                    through = served_throughput(gateway.url, args, model)
-                    pairs = alternate_throughput(first, direct, through, later_rounds)
-                    ratios = [gateway_s / direct_s for direct_s, gateway_s in pairs]
-                    via_gateway["throughput_rounds"] = pooled_rounds(pairs, ("direct", "gateway"), ratios)
-                    ttft_pairs = paired_gateway_ttft(url, gateway.url, model, args.api_key, single)
-                    via_gateway["paired_ttft"] = asyncio.run(ttft_pairs)
-                finally:
-                    gateway.stop()
+            via_gateway = _gateway_comparison(url, serving, direct, prompts, args)
         if compare:
             rounds = []
-            size = len(fresh_prompts) // args.ttft_rounds
+            size = len(prompts.fresh) // args.ttft_rounds
             for r in range(args.ttft_rounds):
                 if r:  # a fresh server and a fresh offline engine: each process lays out its memory anew
                     server.stop()
                     server = OwnServer(args.model, server_flags(args))
                     url = server.url
                     engine = build_engine(args)
-                    time_to_first_token(engine, "warm-up", requests[0][0], 1)
-                chunk = fresh_prompts[r * size : (r + 1) * size]
+                    time_to_first_token(engine, "warm-up", prompts.requests[0][0], 1)
+                chunk = prompts.fresh[r * size : (r + 1) * size]
                 rounds.append(asyncio.run(paired_ttft(url, args.served_model, args.api_key, engine, chunk)))
             offline["paired_ttft"] = pooled_pairs(rounds)
     finally:
         if server:
             server.stop()
+    requests = prompts.requests
     result = {
         "command": "serve",
         "base_url": None if own else url,
