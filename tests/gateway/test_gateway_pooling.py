@@ -68,3 +68,11 @@ def test_wrong_task_and_unknown_model_answer_as_the_back_end_does(gateway):
     missing = post(gateway.base_url, "/rerank", {"model": "nope", "query": "a", "documents": ["b"]})
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
     assert post(gateway.base_url, "/score", {"text_1": "a", "text_2": "b"}).status_code == 400  # no model
+
+
+def test_gateway_model_cards_carry_the_back_ends_task_and_capabilities(gateway):
+    """The chat page offers images only to a model with vision, and clients see what each model is for."""
+    cards = {card["id"]: card for card in httpx.get(f"{gateway.base_url}/v1/models").json()["data"]}
+    assert cards[EMBEDDER]["task"] == "embed" and cards[SMOL]["task"] == "generate"
+    assert cards[SMOL]["capabilities"] == {"vision": False}
+    assert cards[SMOL]["max_model_len"] > 0

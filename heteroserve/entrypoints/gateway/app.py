@@ -62,6 +62,9 @@ class Gateway:
         return request.headers.get("x-service-class") or default
 
 
+# What a model card passes on from a back end's: what the model is for and what it takes (the chat page offers
+# images only to a model with vision).
+CARD_FIELDS = ("task", "capabilities", "max_model_len")
 # The routes forwarded to back ends: OpenAI's under /v1/, and vLLM's rerank and score without the prefix.
 FORWARDED_PREFIXES = ("/v1/", "/rerank", "/score")
 
@@ -155,12 +158,15 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request):
-        gateway.service_class(request)
+        service_class = gateway.service_class(request)
         created = int(time.time())
-        cards = [
-            {"id": name, "object": "model", "created": created, "owned_by": "heteroserve"}
-            for name in gateway.router.model_names()
-        ]
+        cards = []
+        for name in gateway.router.model_names():
+            card = {"id": name, "object": "model", "created": created, "owned_by": "heteroserve"}
+            target = gateway.router.resolve(name, service_class)
+            known = [b.cards[target.model] for b in target.backends if target.model in b.cards] if target else []
+            card.update({k: known[0][k] for k in CARD_FIELDS if known and k in known[0]})
+            cards.append(card)
         return JSONResponse({"object": "list", "data": cards}, headers={"X-Request-Id": request_id(request)})
 
     @app.post("/v1/{path:path}")

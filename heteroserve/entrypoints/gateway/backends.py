@@ -25,6 +25,7 @@ class Backend:
         self.up = True
         self.opened_at = 0.0
         self.consecutive_5xx = 0
+        self.cards: dict[str, dict] = {}  # its /v1/models cards by model id, as of the last health check
 
     @property
     def name(self) -> str:
@@ -63,9 +64,24 @@ class Backend:
             healthy, reason = False, f"health check failed: {exc!r}"
         if not healthy:
             self.open(reason)
-        elif not self.up and time.monotonic() - self.opened_at >= self.health.cooldown:
+            return
+        if not self.up and time.monotonic() - self.opened_at >= self.health.cooldown:
             self.up, self.consecutive_5xx = True, 0
             logger.info("back end %s is back in", self.name)
+        await self._read_cards(client)
+
+    async def _read_cards(self, client: httpx.AsyncClient) -> None:
+        """The back end's model cards, so the gateway's own say what each model is for and takes (a heteroserve
+        server's `task` and `capabilities`). Informative only: routing never depends on them."""
+        try:
+            response = await client.get(
+                self.config.url.rstrip("/") + "/v1/models", headers=self.headers(), timeout=self.health.timeout
+            )
+            if response.status_code == 200:
+                data = response.json().get("data", [])
+                self.cards = {c["id"]: c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)}
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
 
 
 async def check_all(backends: list[Backend], client: httpx.AsyncClient) -> None:

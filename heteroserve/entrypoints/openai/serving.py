@@ -15,7 +15,8 @@ from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.protocol import RequestBody, SamplingFields
 from heteroserve.metrics.prometheus import ServerMetrics
 from heteroserve.multimodal.media import MediaPolicy
-from heteroserve.outputs import RequestOutput
+from heteroserve.outputs import PoolingRequestOutput, RequestOutput
+from heteroserve.pooling_params import PoolingParams
 from heteroserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -140,14 +141,15 @@ class OpenAIServing:
         self,
         request_id: str,
         prompt: PromptInput,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int,
         place: WaitingPlace | None,
         deadline: float | None,
-    ) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
+    ) -> tuple[RequestOutput | PoolingRequestOutput, AsyncIterator[RequestOutput | PoolingRequestOutput]]:
         """Starts one engine request and waits for its first output, so bad input fails before any byte is sent.
         The request leaves its waiting `place` once the engine runs it."""
-        self.metrics.observe_params(params.n, params.max_tokens)
+        if isinstance(params, SamplingParams):  # a pooling request has neither n nor max_tokens
+            self.metrics.observe_params(params.n, params.max_tokens)
         stream = self.engine.generate(request_id, prompt, params, priority, place.leave if place else None)
         try:
             first = await self._next(stream, deadline)
