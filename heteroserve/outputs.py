@@ -14,6 +14,17 @@ class Logprob:
     decoded_token: str | None = None
 
 
+@dataclass
+class TokenLogprobs:
+    """What a rank reports of one position's logprobs: the chosen token's, its rank, and the top ones."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
 # One dict per position: token id -> its logprob (the chosen token plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
 PromptLogprobs = list[dict[int, Logprob] | None]

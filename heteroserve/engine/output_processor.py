@@ -8,8 +8,7 @@ from transformers import PreTrainedTokenizerBase
 
 from heteroserve.core.detokenizer import IncrementalDetokenizer
 from heteroserve.core.request import Request
-from heteroserve.model.layers.sampler import TokenLogprobs
-from heteroserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from heteroserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from heteroserve.sampling_params import RequestOutputKind
 
 

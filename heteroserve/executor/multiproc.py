@@ -17,9 +17,9 @@ from multiprocessing.process import BaseProcess
 from heteroserve.config import EngineConfig
 from heteroserve.executor.base import Executor, WorkerDiedError
 from heteroserve.executor.preflight import check_model_split
-from heteroserve.executor.step_wire import StepEncoder
 from heteroserve.executor.worker_process import SHUTDOWN, free_port, start_node_workers
 from heteroserve.platforms import resolve_platform
+from heteroserve.worker.step_wire import StepEncoder
 
 logger = logging.getLogger(__name__)
 

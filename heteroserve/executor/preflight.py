@@ -9,11 +9,11 @@ from transformers import AutoConfig
 
 from heteroserve.config import EngineConfig
 from heteroserve.distributed.parallel_state import layer_range
-from heteroserve.distributed.sharding import check_tensor_parallel
 from heteroserve.model.arch import VISION_LANGUAGE, ModelArch
 from heteroserve.model.loader.gguf_loader import gguf_config, open_gguf
 from heteroserve.model.loader.pooling_checkpoint import model_task, read_sentence_transformers
 from heteroserve.model.loader.source import resolve_model
+from heteroserve.model.sharding import check_tensor_parallel
 
 
 def check_model_split(config: EngineConfig) -> None:

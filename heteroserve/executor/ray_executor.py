@@ -9,8 +9,8 @@ import os
 from heteroserve.config import EngineConfig
 from heteroserve.executor.base import Executor, WorkerDiedError
 from heteroserve.executor.preflight import check_model_split
-from heteroserve.executor.step_wire import StepEncoder
 from heteroserve.platforms import resolve_platform
+from heteroserve.worker.step_wire import StepEncoder
 
 
 class RayWorker:

@@ -16,11 +16,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from heteroserve.distributed.parallel_state import ParallelGroups
-from heteroserve.distributed.sharding import ModelShard
 from heteroserve.model.arch import ModelArch
 from heteroserve.model.layers.attention import AttentionMetadata, paged_attention
 from heteroserve.model.layers.norm import RMSNorm
 from heteroserve.model.layers.rotary import RotaryEmbedding, rotary_embedding
+from heteroserve.model.sharding import ModelShard
 from heteroserve.platforms.operators import DecodeLayerWeights, FusedDecodeLayer, OperatorTable
 
 

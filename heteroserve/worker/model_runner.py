@@ -12,8 +12,9 @@ from heteroserve.config import CacheConfig
 from heteroserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from heteroserve.model.layers.attention import build_attention_metadata
 from heteroserve.model.layers.pooler import Pooler
-from heteroserve.model.layers.sampler import Sampler, SamplingRow, TokenLogprobs, logprobs_of
+from heteroserve.model.layers.sampler import Sampler, SamplingRow, logprobs_of
 from heteroserve.model.loader import LoadedModel
+from heteroserve.outputs import TokenLogprobs
 from heteroserve.platforms import Platform
 from heteroserve.worker.image_inputs import ImageInputs
 

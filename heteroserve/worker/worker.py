@@ -15,13 +15,13 @@ import torch.distributed as dist
 from heteroserve.config import EngineConfig
 from heteroserve.core.scheduler import SchedulerOutput
 from heteroserve.distributed.parallel_state import ParallelGroups, init_parallel_groups
-from heteroserve.executor.step_wire import StepDecoder, WireStep
 from heteroserve.model.encoder import EncoderModel
 from heteroserve.model.layers.pooler import PoolerSpec
 from heteroserve.model.loader import load_model
 from heteroserve.platforms import Platform, resolve_platform
 from heteroserve.worker.encoder_runner import EncoderRunner
 from heteroserve.worker.model_runner import ModelRunner, StepResult
+from heteroserve.worker.step_wire import StepDecoder, WireStep
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from heteroserve.core.request import Request
 from heteroserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from heteroserve.executor.step_wire import StepDecoder, StepEncoder, WireStep
 from heteroserve.sampling_params import SamplingParams
+from heteroserve.worker.step_wire import StepDecoder, StepEncoder, WireStep
 
 
 def _step(*items: tuple[Request, int, list[int]]) -> SchedulerOutput:

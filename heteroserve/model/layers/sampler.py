@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from heteroserve.outputs import TokenLogprobs
 from heteroserve.sampling_params import SamplingParams
 
 
@@ -24,15 +25,6 @@ class SamplingRow:
     stop_ids: list[int]  # eos and stop tokens, masked while min_tokens is not reached
     generator: torch.Generator | None
     token_bitmask: torch.Tensor | None = None  # structured outputs: int32 words, bit t set = token t allowed
-
-
-@dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    rank: int
-    top_ids: list[int]
-    top_logprobs: list[float]
 
 
 def logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:

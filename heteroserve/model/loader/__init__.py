@@ -13,7 +13,6 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from heteroserve.config import ModelConfig
 from heteroserve.distributed.parallel_state import ParallelGroups
-from heteroserve.distributed.sharding import ModelShard
 from heteroserve.model.arch import VISION_LANGUAGE, ModelArch
 from heteroserve.model.decoder import DecoderModel
 from heteroserve.model.encoder import ENCODER_TYPES, EncoderArch, EncoderModel
@@ -32,6 +31,7 @@ from heteroserve.model.loader.pooling_checkpoint import (
 from heteroserve.model.loader.safetensors_loader import iterate_safetensors
 from heteroserve.model.loader.source import ModelSource, resolve_model
 from heteroserve.model.loader.weights import load_weights, quantize_projections
+from heteroserve.model.sharding import ModelShard
 from heteroserve.model.vision.encoder import VisionEncoder
 from heteroserve.model.vision.loading import build_vision_encoder, split_vision_tensors
 from heteroserve.platforms import Platform
