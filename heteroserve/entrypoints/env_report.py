@@ -62,7 +62,6 @@ def collect_env(device: str = "auto") -> dict[str, object]:
         **chosen.describe(),
         "dtypes": [str(d).removeprefix("torch.") for d in chosen.supported_dtypes()],
         "default_dtype": str(dtype).removeprefix("torch."),
-        "graph_capture": chosen.supports_graph_capture,
         "memory_gib": memory,
         "operators": chosen.operator_table(dtype).describe(),
     }

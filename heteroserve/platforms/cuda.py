@@ -11,7 +11,6 @@ class CudaPlatform(Platform):
     name = "cuda"
     device_type = "cuda"
     dist_backend = "nccl"
-    supports_graph_capture = True  # CUDA graphs
 
     @classmethod
     def is_available(cls) -> bool:

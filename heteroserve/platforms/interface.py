@@ -36,7 +36,6 @@ class Platform:
     name: str = "base"
     device_type: str = "cpu"
     dist_backend: str = "gloo"  # torch.distributed backend for this device's collectives
-    supports_graph_capture: bool = False  # the device can record a step as a graph (not used by the engine yet)
     vendor_extension: str | None = None  # the vendor's torch extension distribution (torch_npu, ...)
     unsupported_operators: frozenset[str] = frozenset()  # these run on the CPU (see operators.py)
     memory_utilization: float = 0.9  # share of device memory the weights plus KV cache may take

@@ -11,7 +11,6 @@ class RocmPlatform(Platform):
     name = "rocm"
     device_type = "cuda"  # HIP torch answers to torch.cuda and the "cuda" device
     dist_backend = "nccl"  # RCCL, under NCCL's name
-    supports_graph_capture = True  # HIP graphs through torch.cuda.graphs
 
     @classmethod
     def is_available(cls) -> bool:
