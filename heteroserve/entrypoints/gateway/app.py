@@ -24,7 +24,7 @@ from heteroserve.entrypoints.gateway.backends import check_all
 from heteroserve.entrypoints.gateway.config import ConfigError, load_config
 from heteroserve.entrypoints.gateway.metrics import GatewayMetrics
 from heteroserve.entrypoints.gateway.proxy import Proxy
-from heteroserve.entrypoints.gateway.router import Router
+from heteroserve.entrypoints.gateway.router import Router, Target
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.gate import ServerState
 
@@ -92,14 +92,12 @@ class DrainGate:
 
 def build_app(gateway: Gateway) -> FastAPI:
     metrics = GatewayMetrics(lambda: gateway.router)
-    proxy: Proxy | None = None
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        nonlocal proxy
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         async with httpx.AsyncClient(limits=limits) as client:
-            proxy = Proxy(client, metrics)
+            app.state.proxy = Proxy(client, metrics)
             await check_all(list(gateway.router.backends.values()), client)
             checker = asyncio.create_task(_check_forever(gateway, client))
             loop = asyncio.get_running_loop()
@@ -113,17 +111,25 @@ def build_app(gateway: Gateway) -> FastAPI:
     app.state.server = state
     app.add_middleware(DrainGate, state=state)
 
-    def request_id(request: Request) -> str:
-        if not hasattr(request.state, "request_id"):
-            request.state.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        return request.state.request_id
-
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
         response = exc.response()
         response.headers["X-Request-Id"] = request_id(request)
         return response
 
+    _add_page_and_probe_routes(app, gateway, state, metrics)
+    _add_api_routes(app, gateway)
+    return app
+
+
+def request_id(request: Request) -> str:
+    """The client's X-Request-Id, or a new one; the same for every use within a request."""
+    if not hasattr(request.state, "request_id"):
+        request.state.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    return request.state.request_id
+
+
+def _add_page_and_probe_routes(app: FastAPI, gateway: Gateway, state: ServerState, metrics: GatewayMetrics) -> None:
     @app.get("/", include_in_schema=False)
     async def chat_page():
         return HTMLResponse(web.chat_page())
@@ -156,39 +162,50 @@ def build_app(gateway: Gateway) -> FastAPI:
     async def prometheus_metrics():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+
+def _model_cards(gateway: Gateway, service_class: str | None) -> list[dict]:
+    """A card per routed name, with what its back ends' cards say the model is for and takes (CARD_FIELDS)."""
+    created = int(time.time())
+    cards = []
+    for name in gateway.router.model_names():
+        card = {"id": name, "object": "model", "created": created, "owned_by": "heteroserve"}
+        target = gateway.router.resolve(name, service_class)
+        known = [b.cards[target.model] for b in target.backends if target.model in b.cards] if target else []
+        card.update({k: known[0][k] for k in CARD_FIELDS if known and k in known[0]})
+        cards.append(card)
+    return cards
+
+
+def _route(gateway: Gateway, content: bytes, service_class: str | None) -> tuple[Target, bytes]:
+    """The back ends for a request body's model, and the body to send them (an alias renamed to the route's
+    model); 400 for a body without a model name, 404 for an unknown model."""
+    try:
+        body = json.loads(content)
+    except ValueError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    model = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(model, str):
+        raise APIError(400, "model: a model name is required", "model")
+    target = gateway.router.resolve(model, service_class)
+    if target is None:
+        raise APIError(404, f"the model {model!r} does not exist", "model")
+    if target.model != model:  # an alias: the back ends know the route's name
+        content = json.dumps({**body, "model": target.model}).encode()
+    return target, content
+
+
+def _add_api_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.get("/v1/models")
     async def models(request: Request):
-        service_class = gateway.service_class(request)
-        created = int(time.time())
-        cards = []
-        for name in gateway.router.model_names():
-            card = {"id": name, "object": "model", "created": created, "owned_by": "heteroserve"}
-            target = gateway.router.resolve(name, service_class)
-            known = [b.cards[target.model] for b in target.backends if target.model in b.cards] if target else []
-            card.update({k: known[0][k] for k in CARD_FIELDS if known and k in known[0]})
-            cards.append(card)
+        cards = _model_cards(gateway, gateway.service_class(request))
         return JSONResponse({"object": "list", "data": cards}, headers={"X-Request-Id": request_id(request)})
 
     @app.post("/v1/{path:path}")
     async def forward(path: str, request: Request):
         """Any /v1/* POST, to a back end serving the body's model (its task is the back end's business)."""
         rid = request_id(request)
-        service_class = gateway.service_class(request)
-        content = await request.body()
-        try:
-            body = json.loads(content)
-        except ValueError as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-        model = body.get("model") if isinstance(body, dict) else None
-        if not isinstance(model, str):
-            raise APIError(400, "model: a model name is required", "model")
-        target = gateway.router.resolve(model, service_class)
-        if target is None:
-            raise APIError(404, f"the model {model!r} does not exist", "model")
-        if target.model != model:  # an alias: the back ends know the route's name
-            content = json.dumps({**body, "model": target.model}).encode()
-        assert proxy is not None, "the app's lifespan has not started"
-        response = await proxy.forward(gateway.config, path, content, target, rid)
+        target, content = _route(gateway, await request.body(), gateway.service_class(request))
+        response = await request.app.state.proxy.forward(gateway.config, path, content, target, rid)
         response.headers["X-Request-Id"] = rid
         return response
 
@@ -201,8 +218,6 @@ def build_app(gateway: Gateway) -> FastAPI:
     async def score(request: Request):
         """vLLM's unprefixed route, sent to the back end's /v1/score (vLLM serves both)."""
         return await forward("score", request)
-
-    return app
 
 
 async def _check_forever(gateway: Gateway, client: httpx.AsyncClient) -> None:
