@@ -84,33 +84,36 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
+    """Built once the model's context length and kind are known (EngineArgs reads them from the checkpoint's
+    config), so the token budget is settled here rather than patched in after the model loads."""
+
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 2048 with chunked prefill, else max_model_len
+    # None: 2048 with chunked prefill, else max_model_len; a pooling model's is the longest input and at least 8192
+    # (it computes each input whole in one step: more inputs per step, fewer steps).
+    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
-    max_model_len: int = 0  # filled in from the model once it is known
+    max_model_len: int = 8192
+    pooling: bool = False  # the model returns pooled hidden states instead of generating
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_batched_tokens is None:
+            if self.pooling:
+                self.max_num_batched_tokens = max(POOLING_BATCHED_TOKENS, self.max_model_len)
+            else:
+                self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else self.max_model_len
+        if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
-
-    def finalize(self, max_model_len: int, pooling: bool = False) -> None:
-        """Pooling models compute each input whole in one step, so their default budget fits the longest input
-        (and at least 8192 tokens: more inputs per step, fewer steps)."""
-        self.max_model_len = max_model_len
-        if self.max_num_batched_tokens is None:
-            if pooling:
-                self.max_num_batched_tokens = max(POOLING_BATCHED_TOKENS, max_model_len)
-            else:
-                self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max_model_len
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
-                f">= max_model_len ({max_model_len}), or a long prompt could never be scheduled"
+                f">= max_model_len ({self.max_model_len}), or a long prompt could never be scheduled"
             )
 
 

@@ -13,7 +13,7 @@ from heteroserve.bench.serve_command import run_serve_bench
 from heteroserve.bench.soak import run_soak_command
 from heteroserve.bench.throughput_command import run_throughput_bench
 from heteroserve.bench.vision import add_vision_parser
-from heteroserve.entrypoints.engine_args import add_engine_args
+from heteroserve.entrypoints.engine_args import EngineArgs
 
 
 def add_bench_parser(commands) -> None:
@@ -46,7 +46,7 @@ def add_bench_parser(commands) -> None:
         sub.add_argument(
             "--dataset", default="workload", help="workload (WORKLOAD.md prompts), random, or a JSONL file of prompts"
         )
-        add_engine_args(sub)
+        EngineArgs.add_cli_args(sub)
         sub.set_defaults(handler=handler)
         if name == "throughput":
             sub.add_argument("--scenario", choices=["B", "D"], default="B")

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from heteroserve.bench.machine import describe_machine
-from heteroserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from heteroserve.entrypoints.engine_args import EngineArgs
 from heteroserve.entrypoints.llm import LLM
 
 VOCABULARY_WORDS = 2000
@@ -39,7 +39,7 @@ def add_embed_parser(kinds) -> None:
     sub.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
     sub.add_argument("--rounds", type=int, default=3, help="alternating rounds of each side")
     sub.add_argument("--output-json", type=Path, default=None)
-    add_engine_args(sub)
+    EngineArgs.add_cli_args(sub)
     sub.set_defaults(handler=run_embed_bench)
 
 
@@ -104,7 +104,7 @@ def run_embed_bench(args: argparse.Namespace) -> dict:
         if args.model is None:
             build_encoder_folder(folder, args.hidden_size, args.layers, args.max_tokens, args.seed)
         texts = passages(args.passages, args.min_tokens, args.max_tokens, args.seed)
-        llm = LLM.from_config(engine_config_from_args(str(folder), args))
+        llm = LLM.from_config(EngineArgs.from_cli_args(args, str(folder)).create_engine_config())
         reference = SentenceTransformer(str(folder), device="cpu")
         num_tokens = sum(len(reference.tokenizer(t)["input_ids"]) for t in texts)
         llm.embed(texts[:8], use_tqdm=False)  # warm-up: first-use kernel builds and allocations

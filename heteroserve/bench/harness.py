@@ -13,7 +13,7 @@ from typing import TypeVar
 from heteroserve.bench.machine import describe_machine
 from heteroserve.bench.workload import jsonl_requests, random_requests, scenario_requests
 from heteroserve.engine.llm_engine import LLMEngine
-from heteroserve.entrypoints.engine_args import engine_config_from_args
+from heteroserve.entrypoints.engine_args import EngineArgs
 
 PEERS = ("hf", "llama-cpp")
 T = TypeVar("T")
@@ -25,7 +25,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
             raise SystemExit(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
     if args.max_model_len is None:
         args.max_model_len = 2048
-    return LLMEngine(engine_config_from_args(args.model, args))
+    return LLMEngine(EngineArgs.from_cli_args(args, args.model).create_engine_config())
 
 
 def engine_requests(engine: LLMEngine, args, scenario: str, num: int):

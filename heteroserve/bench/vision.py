@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from heteroserve.engine.llm_engine import LLMEngine
-from heteroserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from heteroserve.entrypoints.engine_args import EngineArgs
 from heteroserve.sampling_params import RequestOutputKind, SamplingParams
 
 QUESTION = "Describe this image."
@@ -31,7 +31,7 @@ def add_vision_parser(kinds) -> None:
     sub.add_argument("--repeats", type=int, default=3)
     sub.add_argument("--no-peer", action="store_true", help="skip transformers")
     sub.add_argument("--output-json", type=Path, default=None)
-    add_engine_args(sub)
+    EngineArgs.add_cli_args(sub)
     sub.set_defaults(handler=run_vision_bench)
 
 
@@ -120,7 +120,7 @@ def run_vision_bench(args: argparse.Namespace) -> dict:
     if args.mm_processor_kwargs is None:  # keep the test image at its size (the processor would shrink it)
         args.mm_processor_kwargs = {"max_pixels": args.image_size**2}
     args.enable_prefix_caching = False
-    engine = LLMEngine(engine_config_from_args(args.model, args))
+    engine = LLMEngine(EngineArgs.from_cli_args(args, args.model).create_engine_config())
     if engine.image_processor is None:
         raise SystemExit(f"{args.model} is not a vision-language model")
     ids, picture = _prompt(engine, args.image_size)

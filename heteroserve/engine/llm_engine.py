@@ -50,7 +50,13 @@ class LLMEngine:
         pooling = self.pooler_spec is not None
         if pooling and config.speculative is not None:
             raise ValueError("speculative decoding is for text generation; a pooling model generates no tokens")
-        config.scheduler.finalize(info.max_model_len, pooling)
+        scheduled_for = (config.scheduler.max_model_len, config.scheduler.pooling)
+        if scheduled_for != (info.max_model_len, pooling):
+            raise ValueError(
+                f"the scheduler is configured for max_model_len={scheduled_for[0]}, pooling={scheduled_for[1]}, "
+                f"but the model loaded as max_model_len={info.max_model_len}, pooling={pooling}: build the "
+                "config with EngineArgs(...).create_engine_config(), which reads both from the checkpoint"
+            )
         # A pooling request's hidden states are all needed (and an encoder's keys are bidirectional): no prefix reuse.
         prefix_caching = config.cache.enable_prefix_caching and not pooling
         kv_cache = KVCacheManager(info.num_blocks, config.cache.block_size, prefix_caching)

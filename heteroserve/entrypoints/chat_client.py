@@ -41,7 +41,7 @@ DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
 def add_chat_args(parser: argparse.ArgumentParser) -> None:
-    """The client's flags; the engine's flags (add_engine_args) apply with --local only."""
+    """The client's flags; the engine's flags (EngineArgs.add_cli_args) apply with --local only."""
     parser.add_argument("--url", default="http://localhost:8000", help="the server (with or without /v1)")
     parser.add_argument(
         "--api-key",
@@ -144,10 +144,10 @@ class LocalBackend:
     """The model in this process: the engine stepped here, its text deltas streamed."""
 
     def __init__(self, model: str | None, args: argparse.Namespace) -> None:
-        from heteroserve.entrypoints.engine_args import engine_config_from_args
+        from heteroserve.entrypoints.engine_args import EngineArgs
         from heteroserve.entrypoints.llm import LLM
 
-        self.llm = LLM.from_config(engine_config_from_args(model or None, args))
+        self.llm = LLM.from_config(EngineArgs.from_cli_args(args, model or None).create_engine_config())
         self.model = model or "default model"
         self._ids = itertools.count()
 

@@ -8,7 +8,7 @@ import sys
 
 from heteroserve.bench.commands import add_bench_parser
 from heteroserve.entrypoints.chat_client import add_chat_args, run_chat
-from heteroserve.entrypoints.engine_args import add_engine_args
+from heteroserve.entrypoints.engine_args import EngineArgs
 from heteroserve.entrypoints.gateway import add_gateway_args
 from heteroserve.entrypoints.openai.api_server import add_server_args
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_chat_args(chat)
-    add_engine_args(chat)  # for --local
+    EngineArgs.add_cli_args(chat)  # for --local
     chat.set_defaults(handler=run_chat)
     add_bench_parser(commands)
     serve = commands.add_parser(

@@ -1,9 +1,15 @@
-"""Engine flags with vLLM's names, shared by every command that builds an engine."""
+"""Every engine setting, listed once: the CLI flags, `LLM`'s keyword arguments and `EngineConfig` come from here."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import json
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
 
 from heteroserve.config import (
     KV_CACHE_DTYPES,
@@ -19,217 +25,282 @@ from heteroserve.config import (
     SpeculativeConfig,
 )
 
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights and activations dtype (auto: the checkpoint's, float32 where unsupported)",
-    )
-    group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    group.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    group.add_argument(
-        "--kv-cache-memory-bytes",
-        type=int,
-        default=None,
-        help="bytes for the KV block pool (CPU default: 2 GiB); overrides --gpu-memory-utilization",
-    )
-    group.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="devices: share of device memory for weights + KV cache (default 0.9); CPU: use --kv-cache-memory-bytes",
-    )
-    group.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        choices=list(KV_CACHE_DTYPES),
-        help="KV cache dtype (auto: the activations'); float16 or bfloat16 under float32 activations halves the "
-        "cache's memory and what decode attention reads, at 16-bit precision for keys and values",
-    )
-    group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    group.add_argument(
-        "--runner",
-        default="auto",
-        choices=list(RUNNERS),
-        help="generate (text) or pooling (embeddings, rerank, score); auto: pooling for a sentence-transformers, "
-        "encoder or sequence-classification checkpoint",
-    )
-    group.add_argument(
-        "--pooler-config",
-        type=_pooler_config,
-        default=None,
-        help='a pooling model\'s overrides, e.g. \'{"pooling_type": "MEAN", "normalize": false}\' (CLS, MEAN, LAST)',
-    )
-    group.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=sorted(REASONING_END_MARKERS),
-        help="how the model marks its thinking: chat answers split it into reasoning_content, and structured "
-        "outputs apply after it",
-    )
-    group.add_argument(
-        "--speculative-config",
-        type=_speculative_config,
-        default=None,
-        help='speculative decoding for greedy requests, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (drafts looked up in the request\'s own tokens)',
-    )
-    group.add_argument(
-        "--generation-config",
-        default="auto",
-        choices=["auto", "vllm"],
-        help="auto: apply the checkpoint's generation_config.json defaults",
-    )
-    group.add_argument(
-        "--device",
-        default="auto",
-        help="auto, cpu, cuda, rocm, npu, mlu, xpu, mps or a plugin's name ($HETEROSERVE_DEVICE also works; "
-        "`heteroserve env` lists them)",
-    )
-    group.add_argument(
-        "--kernels",
-        default="auto",
-        choices=["auto", "reference"],
-        help="auto: the platform's fastest kernels; reference: plain torch operators",
-    )
-    group.add_argument(
-        "--quantization",
-        "-q",
-        default=None,
-        choices=["none", "gguf", "gptq", "awq", "int4", "int8"],
-        help="unset: as the checkpoint is (GGUF, GPTQ, AWQ detected and kept compressed); none: dequantise; "
-        "gguf/gptq/awq: insist on that format; int4/int8: quantise a float checkpoint at load",
-    )
-    group.add_argument("--seed", type=int, default=0, help="engine seed (and the bench's random dataset seed)")
-    group.add_argument(
-        "--limit-mm-per-prompt",
-        type=_image_limit,
-        default=MultimodalConfig.limit_images_per_prompt,
-        metavar="image=N",
-        help="most images in one prompt (also accepts vLLM's JSON form '{\"image\": N}')",
-    )
-    group.add_argument(
-        "--mm-processor-kwargs",
-        type=json.loads,
-        default=None,
-        help='image processor pixel budget as JSON, e.g. \'{"min_pixels": 3136, "max_pixels": 1003520}\'',
-    )
-    group.add_argument(
-        "--max-image-pixels",
-        type=int,
-        default=MultimodalConfig.max_image_pixels,
-        help="largest input image (width x height, before resizing); larger ones are answered 400",
-    )
-    group.add_argument(
-        "--max-request-image-pixels",
-        type=int,
-        default=MultimodalConfig.max_request_image_pixels,
-        help="most input image pixels in one request, all images together (checked before decoding each)",
-    )
-
-    add_parallel_args(parser)
+ENGINE_GROUP = "engine"
+PARALLEL_GROUP = "parallelism (docs/PLATFORMS.md)"
 
 
-def add_parallel_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("parallelism (docs/PLATFORMS.md)")
-    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks that split each layer")
-    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="ranks that split the layers")
-    group.add_argument(
-        "--distributed-executor-backend",
-        default=None,
-        choices=["mp", "ray"],
-        help="mp: worker processes (default for more than one rank); ray: Ray actors (pip install heteroserve[ray])",
-    )
-    group.add_argument("--nnodes", type=int, default=1, help="machines the ranks are spread over")
-    group.add_argument("--node-rank", type=int, default=0, help="this machine's index; > 0 runs workers only")
-    group.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (torch.distributed rendezvous)")
-    group.add_argument(
-        "--master-port", type=int, default=None, help="rendezvous port on node 0 (default: free port; 29500 on nodes)"
-    )
+def _setting(
+    default: Any,
+    help: str | None = None,
+    *,
+    choices: list[str] | None = None,
+    parse: Callable[[str], Any] | None = None,
+    aliases: tuple[str, ...] = (),
+    metavar: str | None = None,
+    group: str = ENGINE_GROUP,
+) -> Any:
+    """A field whose metadata says how its CLI flag reads: `parse` turns the flag's text into the field's value."""
+    metadata = {"help": help, "choices": choices, "parse": parse, "aliases": aliases, "metavar": metavar}
+    return dataclasses.field(default=default, metadata={**metadata, "group": group})
 
 
-def _image_limit(value: str) -> int:
-    """'image=N' or '{"image": N}' -> N."""
+def _object(value: str) -> dict:
+    parsed = json.loads(value)  # a JSONDecodeError is a ValueError
+    if not isinstance(parsed, dict):
+        raise ValueError("expected a JSON object")
+    return parsed
+
+
+def _json_object(value: str) -> dict:
+    try:
+        return _object(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r} ({exc})") from exc
+
+
+def _image_limit(value: str) -> dict[str, int]:
+    """'image=N' or '{"image": N}' -> {"image": N}, the form `LLM(limit_mm_per_prompt=...)` takes."""
     try:
         parsed = json.loads(value) if value.lstrip().startswith("{") else dict([value.split("=", 1)])
         unknown = set(parsed) - {"image"}
         if unknown:
             raise ValueError(f"only images are supported, not {sorted(unknown)}")
-        return int(parsed["image"])
+        return {"image": int(parsed["image"])}
     except (ValueError, KeyError, TypeError) as exc:
         raise argparse.ArgumentTypeError(f"expected image=N, got {value!r} ({exc})") from exc
 
 
 def _pooler_config(value: str) -> dict:
     try:
-        parsed = json.loads(value)
-        if not isinstance(parsed, dict):
-            raise ValueError("expected a JSON object")
+        parsed = _object(value)
         ModelConfig(pooler_config=parsed)  # the same checks as the offline API's
         return parsed
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"invalid pooler config {value!r}: {exc}") from exc
 
 
-def _speculative_config(value: str) -> SpeculativeConfig:
+def _speculative_config(value: str) -> dict:
     try:
-        parsed = json.loads(value)
-        if not isinstance(parsed, dict):
-            raise ValueError("expected a JSON object")
-        return SpeculativeConfig.from_dict(parsed)
+        parsed = _object(value)
+        SpeculativeConfig.from_dict(parsed)
+        return parsed
     except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(f"invalid speculative config {value!r}: {exc}") from exc
 
 
-def engine_config_from_args(model: str | None, args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(
-            model,
-            args.dtype,
-            args.max_model_len,
-            args.seed,
-            args.quantization,
-            generation_config=args.generation_config,
-            runner=args.runner,
-            pooler_config=args.pooler_config,
-        ),
-        cache=CacheConfig(
-            args.block_size,
-            args.kv_cache_memory_bytes,
-            args.enable_prefix_caching,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_dtype=args.kv_cache_dtype,
-        ),
-        scheduler=SchedulerConfig(
-            args.max_num_seqs,
-            args.max_num_batched_tokens,
-            args.enable_chunked_prefill,
-            args.scheduling_policy,
-        ),
-        device=DeviceConfig(args.device, args.kernels),
-        multimodal=MultimodalConfig(
-            args.limit_mm_per_prompt,
-            (args.mm_processor_kwargs or {}).get("min_pixels"),
-            (args.mm_processor_kwargs or {}).get("max_pixels"),
-            args.max_image_pixels,
-            args.max_request_image_pixels,
-        ),
-        parallel=ParallelConfig(
-            args.tensor_parallel_size,
-            args.pipeline_parallel_size,
-            args.distributed_executor_backend,
-            args.nnodes,
-            args.node_rank,
-            args.master_addr,
-            args.master_port,
-        ),
-        speculative=args.speculative_config,
-        reasoning_parser=args.reasoning_parser,
+@dataclass
+class EngineArgs:
+    """One field per engine setting, named as vLLM names it: `--max-model-len` on the command line is
+    `LLM(max_model_len=...)` in Python and `EngineConfig.model.max_model_len` in the engine."""
+
+    model: str | None = None  # None: the embedded default model; each command takes it its own way
+    dtype: str = _setting(
+        "auto",
+        "weights and activations dtype (auto: the checkpoint's, float32 where unsupported)",
+        choices=["auto", "float32", "bfloat16", "float16"],
     )
+    max_model_len: int | None = _setting(None, "context length (default: the model's)")
+    block_size: int = _setting(16, "tokens per KV-cache block")
+    max_num_seqs: int = _setting(256, "most requests running at once")
+    max_num_batched_tokens: int | None = _setting(None, "token budget per step")
+    enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of a prompt prefix already computed")
+    enable_chunked_prefill: bool = _setting(True, "split long prompts over steps, alongside decoding requests")
+    kv_cache_memory_bytes: int | None = _setting(
+        None, "bytes for the KV block pool (CPU default: 2 GiB); overrides --gpu-memory-utilization"
+    )
+    num_kv_blocks: int | None = _setting(None, "KV-cache blocks to allocate, overriding the memory budget")
+    gpu_memory_utilization: float | None = _setting(
+        None,
+        "devices: share of device memory for weights + KV cache (default 0.9); CPU: use --kv-cache-memory-bytes",
+    )
+    kv_cache_dtype: str = _setting(
+        "auto",
+        "KV cache dtype (auto: the activations'); float16 or bfloat16 under float32 activations halves the "
+        "cache's memory and what decode attention reads, at 16-bit precision for keys and values",
+        choices=list(KV_CACHE_DTYPES),
+    )
+    scheduling_policy: str = _setting("fcfs", "order of admission", choices=["fcfs", "priority"])
+    runner: str = _setting(
+        "auto",
+        "generate (text) or pooling (embeddings, rerank, score); auto: pooling for a sentence-transformers, "
+        "encoder or sequence-classification checkpoint",
+        choices=list(RUNNERS),
+    )
+    pooler_config: dict | None = _setting(
+        None,
+        'a pooling model\'s overrides, e.g. \'{"pooling_type": "MEAN", "normalize": false}\' (CLS, MEAN, LAST)',
+        parse=_pooler_config,
+    )
+    reasoning_parser: str | None = _setting(
+        None,
+        "how the model marks its thinking: chat answers split it into reasoning_content, and structured "
+        "outputs apply after it",
+        choices=sorted(REASONING_END_MARKERS),
+    )
+    speculative_config: dict | None = _setting(
+        None,
+        'speculative decoding for greedy requests, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (drafts looked up in the request\'s own tokens)',
+        parse=_speculative_config,
+    )
+    generation_config: str = _setting(
+        "auto", "auto: apply the checkpoint's generation_config.json defaults", choices=["auto", "vllm"]
+    )
+    device: str = _setting(
+        "auto",
+        "auto, cpu, cuda, rocm, npu, mlu, xpu, mps or a plugin's name ($HETEROSERVE_DEVICE also works; "
+        "`heteroserve env` lists them)",
+    )
+    kernels: str = _setting(
+        "auto", "auto: the platform's fastest kernels; reference: plain torch operators", choices=["auto", "reference"]
+    )
+    quantization: str | None = _setting(
+        None,
+        "unset: as the checkpoint is (GGUF, GPTQ, AWQ detected and kept compressed); none: dequantise; "
+        "gguf/gptq/awq: insist on that format; int4/int8: quantise a float checkpoint at load",
+        choices=["none", "gguf", "gptq", "awq", "int4", "int8"],
+        aliases=("-q",),
+    )
+    seed: int = _setting(0, "engine seed (and the bench's random dataset seed)")
+    limit_mm_per_prompt: dict[str, int] | None = _setting(
+        None,
+        f"most images in one prompt (default {MultimodalConfig.limit_images_per_prompt}; also accepts vLLM's "
+        "JSON form '{\"image\": N}')",
+        parse=_image_limit,
+        metavar="image=N",
+    )
+    mm_processor_kwargs: dict[str, int] | None = _setting(
+        None,
+        'image processor pixel budget as JSON, e.g. \'{"min_pixels": 3136, "max_pixels": 1003520}\'',
+        parse=_json_object,
+    )
+    max_image_pixels: int = _setting(
+        MultimodalConfig.max_image_pixels,
+        "largest input image (width x height, before resizing); larger ones are answered 400",
+    )
+    max_request_image_pixels: int = _setting(
+        MultimodalConfig.max_request_image_pixels,
+        "most input image pixels in one request, all images together (checked before decoding each)",
+    )
+    tensor_parallel_size: int = _setting(1, "ranks that split each layer", aliases=("-tp",), group=PARALLEL_GROUP)
+    pipeline_parallel_size: int = _setting(1, "ranks that split the layers", aliases=("-pp",), group=PARALLEL_GROUP)
+    distributed_executor_backend: str | None = _setting(
+        None,
+        "mp: worker processes (default for more than one rank); ray: Ray actors (pip install heteroserve[ray])",
+        choices=["mp", "ray"],
+        group=PARALLEL_GROUP,
+    )
+    nnodes: int = _setting(1, "machines the ranks are spread over", group=PARALLEL_GROUP)
+    node_rank: int = _setting(0, "this machine's index; > 0 runs workers only", group=PARALLEL_GROUP)
+    master_addr: str = _setting("127.0.0.1", "address of node 0 (torch.distributed rendezvous)", group=PARALLEL_GROUP)
+    master_port: int | None = _setting(
+        None, "rendezvous port on node 0 (default: free port; 29500 on nodes)", group=PARALLEL_GROUP
+    )
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One flag per field but `model` (`--max-model-len` for max_model_len), in the engine and parallelism
+        groups; a bool is a `--x / --no-x` pair."""
+        groups: dict[str, Any] = {}  # argument groups by title
+        hints = typing.get_type_hints(cls)
+        for setting in fields(cls):
+            if setting.name == "model":
+                continue
+            meta = setting.metadata
+            title = meta["group"]
+            if title not in groups:
+                groups[title] = parser.add_argument_group(title)
+            options: dict[str, Any] = {"default": setting.default, "help": meta["help"]}
+            if hints[setting.name] is bool:
+                options["action"] = argparse.BooleanOptionalAction
+            else:
+                options["type"] = meta["parse"] or _scalar_type(hints[setting.name])
+                for key in ("choices", "metavar"):
+                    if meta[key] is not None:
+                        options[key] = meta[key]
+            groups[title].add_argument(cli_flag(setting.name), *meta["aliases"], **options)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, model: str | None) -> EngineArgs:
+        return cls(model=model, **{f.name: getattr(args, f.name) for f in fields(cls) if f.name != "model"})
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineArgs:
+        """`LLM`'s keyword arguments: an unknown one is a TypeError naming it and the settings it may have meant."""
+        known = [f.name for f in fields(cls) if f.name != "model"]
+        for name in kwargs:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=3)
+                hint = f"; did you mean {' or '.join(close)}?" if close else " (EngineArgs lists the settings)"
+                raise TypeError(f"LLM got an unexpected keyword argument {name!r}{hint}")
+        return cls(model=model, **kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        """Every sub-config by keyword. The context length and whether the model pools are read from the
+        checkpoint's config first, so the scheduler's token budget is settled when SchedulerConfig is built."""
+        from heteroserve.model.loader.limits import checkpoint_limits  # reads the checkpoint: transformers, gguf
+
+        model = ModelConfig(
+            model=self.model,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            quantization=self.quantization,
+            generation_config=self.generation_config,
+            runner=self.runner,
+            pooler_config=self.pooler_config,
+        )
+        limits = checkpoint_limits(model)
+        model = dataclasses.replace(model, max_model_len=limits.max_model_len)
+        pixels = self.mm_processor_kwargs or {}
+        speculative = None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
+        images = (self.limit_mm_per_prompt or {}).get("image", MultimodalConfig.limit_images_per_prompt)
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                enable_prefix_caching=self.enable_prefix_caching,
+                num_kv_blocks=self.num_kv_blocks,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_dtype=self.kv_cache_dtype,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                policy=self.scheduling_policy,
+                max_model_len=limits.max_model_len,
+                pooling=limits.pooling,
+            ),
+            device=DeviceConfig(device=self.device, kernels=self.kernels),
+            multimodal=MultimodalConfig(
+                limit_images_per_prompt=images,
+                min_pixels=pixels.get("min_pixels"),
+                max_pixels=pixels.get("max_pixels"),
+                max_image_pixels=self.max_image_pixels,
+                max_request_image_pixels=self.max_request_image_pixels,
+            ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+                nnodes=self.nnodes,
+                node_rank=self.node_rank,
+                master_addr=self.master_addr,
+                master_port=self.master_port,
+            ),
+            speculative=speculative,
+            reasoning_parser=self.reasoning_parser,
+        )
+
+
+def cli_flag(name: str) -> str:
+    """A field's flag: max_model_len -> --max-model-len."""
+    return "--" + name.replace("_", "-")
+
+
+def _scalar_type(hint: object) -> type:
+    """int for `int | None`: what argparse converts a flag's text with."""
+    options = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+    return options[0]

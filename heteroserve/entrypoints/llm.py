@@ -6,21 +6,14 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from heteroserve.config import (
-    CacheConfig,
-    DeviceConfig,
-    EngineConfig,
-    ModelConfig,
-    MultimodalConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
+from heteroserve.config import EngineConfig
 from heteroserve.engine.llm_engine import LLMEngine, PromptInput
+from heteroserve.entrypoints.engine_args import EngineArgs
 from heteroserve.multimodal.chat import split_images
 from heteroserve.outputs import (
     ClassificationOutput,
@@ -39,97 +32,27 @@ Message = dict[str, object]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        kv_cache_memory_bytes: int | None = None,
-        num_kv_blocks: int | None = None,
-        gpu_memory_utilization: float | None = None,
-        kv_cache_dtype: str = "auto",
-        scheduling_policy: str = "fcfs",
-        generation_config: str = "auto",
-        device: str = "auto",
-        kernels: str = "auto",
-        quantization: str | None = None,
-        seed: int = 0,
-        limit_mm_per_prompt: dict[str, int] | None = None,
-        mm_processor_kwargs: dict[str, int] | None = None,
-        allowed_local_media_path: str | None = None,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        distributed_executor_backend: str | None = None,
-        nnodes: int = 1,
-        master_addr: str = "127.0.0.1",
-        master_port: int | None = None,
-        speculative_config: dict | None = None,
-        reasoning_parser: str | None = None,
-        runner: str = "auto",
-        pooler_config: dict | None = None,
-    ) -> None:
-        """limit_mm_per_prompt={"image": N}, mm_processor_kwargs={"min_pixels": ..., "max_pixels": ...} and
-        speculative_config={"method": "ngram", "num_speculative_tokens": k} as in vLLM; chat() reads local image
-        files only under allowed_local_media_path; with reasoning_parser ("qwen3", "deepseek_r1") structured
-        outputs apply after the model's </think>. runner="pooling" (or "auto" on a sentence-transformers, encoder or
-        sequence-classification checkpoint) serves embed / score / classify / encode instead of generate;
-        pooler_config={"pooling_type": "CLS" | "MEAN" | "LAST", "normalize": bool} overrides the checkpoint's."""
-        pixels = mm_processor_kwargs or {}
-        config = EngineConfig(
-            model=ModelConfig(
-                model,
-                dtype,
-                max_model_len,
-                seed,
-                quantization,
-                generation_config=generation_config,
-                runner=runner,
-                pooler_config=pooler_config,
-            ),
-            cache=CacheConfig(
-                block_size,
-                kv_cache_memory_bytes,
-                enable_prefix_caching,
-                num_kv_blocks,
-                gpu_memory_utilization,
-                kv_cache_dtype,
-            ),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, scheduling_policy),
-            device=DeviceConfig(device, kernels),
-            multimodal=MultimodalConfig(
-                (limit_mm_per_prompt or {}).get("image", MultimodalConfig.limit_images_per_prompt),
-                pixels.get("min_pixels"),
-                pixels.get("max_pixels"),
-            ),
-            parallel=ParallelConfig(
-                tensor_parallel_size,
-                pipeline_parallel_size,
-                distributed_executor_backend,
-                nnodes,
-                master_addr=master_addr,
-                master_port=master_port,
-            ),
-            speculative=SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None,
-            reasoning_parser=reasoning_parser,
-        )
-        self.engine = LLMEngine(config)
-        self._ids = itertools.count()
-        self._local_media = Path(allowed_local_media_path) if allowed_local_media_path else None
+    def __init__(self, model: str | None = None, *, allowed_local_media_path: str | None = None, **kwargs: Any) -> None:
+        """`kwargs` are EngineArgs' settings, named as vLLM's (max_model_len=, dtype=, block_size=, num_kv_blocks=,
+        enable_prefix_caching=, tensor_parallel_size=, ...: each is also a CLI flag, `--max-model-len`); an unknown
+        one is a TypeError. The dict-valued ones take vLLM's forms: limit_mm_per_prompt={"image": N},
+        mm_processor_kwargs={"min_pixels": ..., "max_pixels": ...}, speculative_config={"method": "ngram",
+        "num_speculative_tokens": k}, pooler_config={"pooling_type": "CLS" | "MEAN" | "LAST", "normalize": bool}.
+        chat() reads local image files only under allowed_local_media_path (the server's flag of that name)."""
+        config = EngineArgs.from_kwargs(model, **kwargs).create_engine_config()
+        self._start(config, Path(allowed_local_media_path) if allowed_local_media_path else None)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLM:
         """An LLM from a ready EngineConfig (the CLI builds one from its flags)."""
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config)
-        llm._ids = itertools.count()
-        llm._local_media = None
+        llm._start(config, None)
         return llm
+
+    def _start(self, config: EngineConfig, local_media: Path | None) -> None:
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+        self._local_media = local_media
 
     def shutdown(self) -> None:
         """Stops the worker processes now (they also stop when this object is collected or Python exits)."""

@@ -16,8 +16,7 @@ def pooling_request(request_id: str, length: int) -> Request:
 
 
 def make_scheduler(budget: int, num_blocks: int = 64, max_num_seqs: int = 16) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
-    config.finalize(512, pooling=True)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=512, pooling=True)
     return Scheduler(config, KVCacheManager(num_blocks, 16, enable_prefix_caching=False))
 
 
@@ -64,9 +63,5 @@ def test_max_num_seqs_bounds_a_pooling_step():
 
 
 def test_default_budget_of_pooling_models_fits_the_longest_input():
-    config = SchedulerConfig()
-    config.finalize(32768, pooling=True)
-    assert config.max_num_batched_tokens == 32768
-    config = SchedulerConfig()
-    config.finalize(512, pooling=True)
-    assert config.max_num_batched_tokens == 8192
+    assert SchedulerConfig(max_model_len=32768, pooling=True).max_num_batched_tokens == 32768
+    assert SchedulerConfig(max_model_len=512, pooling=True).max_num_batched_tokens == 8192

@@ -69,8 +69,7 @@ class Sim:
         speculative: SpeculativeConfig | None = None,
         **scheduler_kwargs: object,
     ) -> None:
-        self.config = SchedulerConfig(**scheduler_kwargs)
-        self.config.finalize(max_model_len)
+        self.config = SchedulerConfig(max_model_len=max_model_len, **scheduler_kwargs)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         proposer = NgramProposer(speculative) if speculative is not None else None
         self.scheduler = Scheduler(self.config, self.kv, proposer)
@@ -346,11 +345,9 @@ def test_with_chunked_prefill_the_same_prompt_is_cut() -> None:
 
 
 def test_without_chunked_prefill_the_budget_must_cover_max_model_len() -> None:
-    config = SchedulerConfig(max_num_batched_tokens=16, enable_chunked_prefill=False)
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) must be >= max_model_len \(32\)"):
-        config.finalize(32)
-    default = SchedulerConfig(enable_chunked_prefill=False)
-    default.finalize(32)
+        SchedulerConfig(max_num_batched_tokens=16, enable_chunked_prefill=False, max_model_len=32)
+    default = SchedulerConfig(enable_chunked_prefill=False, max_model_len=32)
     assert default.max_num_batched_tokens == 32
 
 

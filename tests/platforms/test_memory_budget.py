@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from heteroserve.config import CacheConfig
-from heteroserve.entrypoints.engine_args import engine_config_from_args
+from heteroserve.entrypoints.engine_args import EngineArgs
 from heteroserve.entrypoints.openai.api_server import make_parser
 from heteroserve.platforms.cpu import CpuPlatform
 from heteroserve.platforms.interface import Platform
@@ -42,15 +42,16 @@ def test_cpu_budget_ignores_the_device_share_and_says_so(caplog):
 
 def test_flag_reaches_the_cache_config_and_is_checked():
     args = make_parser().parse_args(["--gpu-memory-utilization", "0.75"])
-    assert engine_config_from_args(None, args).cache.gpu_memory_utilization == 0.75
+    assert EngineArgs.from_cli_args(args, None).create_engine_config().cache.gpu_memory_utilization == 0.75
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         CacheConfig(gpu_memory_utilization=1.5)
 
 
 def test_kv_cache_dtype_flag_reaches_the_cache_config_and_is_checked(capsys):
     args = make_parser().parse_args(["--kv-cache-dtype", "float16"])
-    assert engine_config_from_args(None, args).cache.kv_cache_dtype == "float16"
-    assert engine_config_from_args(None, make_parser().parse_args([])).cache.kv_cache_dtype == "auto"
+    assert EngineArgs.from_cli_args(args, None).create_engine_config().cache.kv_cache_dtype == "float16"
+    default = EngineArgs.from_cli_args(make_parser().parse_args([]), None).create_engine_config()
+    assert default.cache.kv_cache_dtype == "auto"
     with pytest.raises(SystemExit):
         make_parser().parse_args(["--kv-cache-dtype", "int3"])
     assert "invalid choice: 'int3'" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import heteroserve
 from heteroserve import web
 from heteroserve.engine.async_engine import AsyncLLMEngine
-from heteroserve.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from heteroserve.entrypoints.engine_args import EngineArgs
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.gate import Gate, ServerState, unless_disconnected
 from heteroserve.entrypoints.openai.pooling_routes import add_pooling_routes
@@ -323,14 +323,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="seconds for all of one remote image's fetch (resolution, redirects, body)",
     )
     media.add_argument("--max-image-bytes", type=int, default=20 * 1024**2, help="largest encoded image accepted")
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
 
 
 def run_server(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = args.model or args.model_tag
     try:
-        config = engine_config_from_args(model, args)
+        config = EngineArgs.from_cli_args(args, model).create_engine_config()
         media = MediaPolicy.from_config(
             config.multimodal,
             allow_remote=args.allow_remote_media or bool(args.allowed_media_domains),
