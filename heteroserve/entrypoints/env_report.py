@@ -100,7 +100,7 @@ def format_report(report: dict[str, object]) -> str:
         lines.append(f"  {key + ':':<22}{', '.join(value) if isinstance(value, list) else value}")
     lines.append("  operators:")
     for name, kernel in operators.items():
-        lines.append(f"    {name:<20}{kernel}")
+        lines.append(f"    {name:<25}{kernel}")
     return "\n".join(lines)
 
 
