@@ -2,8 +2,8 @@
 
 Tokens from all scheduled requests arrive flattened ([T] ids and positions), so each projection is one
 matrix product over the whole step. Query/key/value and gate/up projections are fused at load time.
-Every operator (projections, norms, rotary, activation, attention) comes from the platform's
-`OperatorTable`, so a device changes kernels without touching this file.
+Every operator (projections, norms, rotary, activation) comes from the platform's `OperatorTable` and
+attention from its `AttentionBackend`, so a device changes kernels without touching this file.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from transformers import PretrainedConfig
 
 from heteroserve.distributed.parallel_state import ParallelGroups
 from heteroserve.model.arch import ModelArch
-from heteroserve.model.layers.attention import AttentionMetadata, paged_attention
 from heteroserve.model.layers.norm import RMSNorm
 from heteroserve.model.layers.rotary import RotaryEmbedding, rotary_embedding
 from heteroserve.model.sharding import ModelShard
+from heteroserve.platforms.attention import AttentionBackend
 from heteroserve.platforms.operators import DecodeLayerWeights, FusedDecodeLayer, OperatorTable
+from heteroserve.platforms.paged_attention import PagedAttentionBackend
 
 
 def _tensors_of(weight) -> list[torch.Tensor]:
@@ -60,9 +61,12 @@ def _weight(rows: int, cols: int) -> nn.Parameter:
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, ops: OperatorTable, parallel: ParallelGroups) -> None:
+    def __init__(
+        self, arch: ModelArch, ops: OperatorTable, parallel: ParallelGroups, backend: AttentionBackend
+    ) -> None:
         super().__init__()
         self.ops = ops
+        self.backend = backend
         self.parallel = parallel
         self.linear = ops.linear
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -77,7 +81,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, ops) if arch.qk_norm else None
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x, positions, rotary, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
         qkv = self.linear(x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -86,18 +90,21 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.ops)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.parallel.all_reduce(self.linear(out.flatten(1), self.o_proj))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, ops: OperatorTable, parallel: ParallelGroups) -> None:
+    def __init__(
+        self, arch: ModelArch, ops: OperatorTable, parallel: ParallelGroups, backend: AttentionBackend
+    ) -> None:
         super().__init__()
+        self.backend = backend
         self.ops = ops
         self.linear = ops.linear
         self.parallel = parallel
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.self_attn = Attention(arch, ops, parallel)
+        self.self_attn = Attention(arch, ops, parallel, backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.gate_up_proj = _weight(2 * arch.intermediate_size, arch.hidden_size)
         self.down_proj = _weight(arch.hidden_size, arch.intermediate_size)
@@ -125,7 +132,7 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
-        if self.fused_decode is not None and not meta.prefills:
+        if self.fused_decode is not None and self.backend.is_decode_only(meta):
             return self.fused_decode(x, positions, kv_cache[0], kv_cache[1], meta)
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
         gate_up = self.linear(self.post_attention_layernorm(x), self.gate_up_proj)
@@ -134,7 +141,8 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     """With a `ModelShard`, the rank's part of the model: `arch` holds its local sizes (see distributed/).
-    lm_head=False: an embedding model's decoder (its hidden states are pooled), with no LM head to load or prepare."""
+    lm_head=False: an embedding model's decoder (its hidden states are pooled), with no LM head to load or prepare.
+    attn_backend: the platform's (`Platform.get_attn_backend`); the runner builds each step's metadata with it."""
 
     def __init__(
         self,
@@ -144,6 +152,7 @@ class DecoderModel(nn.Module):
         ops: OperatorTable,
         shard: ModelShard | None = None,
         lm_head: bool = True,
+        attn_backend: AttentionBackend | None = None,
     ) -> None:
         super().__init__()
         self.shard = shard or ModelShard.whole(arch)
@@ -153,7 +162,10 @@ class DecoderModel(nn.Module):
         self.ops = ops
         self.linear = self.ops.linear
         self.embed_tokens = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(arch, self.ops, self.parallel) for _ in range(arch.num_layers))
+        self.attn_backend = attn_backend or PagedAttentionBackend(ops)
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, self.ops, self.parallel, self.attn_backend) for _ in range(arch.num_layers)
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.ops)
         self.has_lm_head = lm_head
         self.lm_head = None if arch.tie_word_embeddings or not lm_head else _weight(arch.vocab_size, arch.hidden_size)
@@ -197,14 +209,15 @@ class DecoderModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: object,
         injected: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The final hidden states; a pipeline stage before the last sends its output on instead.
 
-        positions: [T], or [3, T] for M-RoPE. injected: (rows, features [n, 1 + k, hidden]) for image
-        placeholder tokens: features[:, 0] replaces their token embeddings, features[:, i] (DeepStack,
-        Qwen3-VL) is added to their hidden states after decoder layer i - 1."""
+        positions: [T], or [3, T] for M-RoPE. meta: the attention backend's metadata for the step (its
+        `build_metadata`). injected: (rows, features [n, 1 + k, hidden]) for image placeholder tokens:
+        features[:, 0] replaces their token embeddings, features[:, i] (DeepStack, Qwen3-VL) is added to their
+        hidden states after decoder layer i - 1."""
         dtype = self.norm.weight.dtype
         if self.parallel.is_first_stage:
             x = self.embed(input_ids)

@@ -8,6 +8,7 @@ from types import ModuleType
 
 import torch
 
+from heteroserve.platforms.attention import AttentionBackend
 from heteroserve.platforms.operators import (
     OPERATORS,
     DecodeLayerFuser,
@@ -16,6 +17,7 @@ from heteroserve.platforms.operators import (
     OperatorTable,
     means_unsupported,
 )
+from heteroserve.platforms.paged_attention import PagedAttentionBackend
 
 DTYPES = {
     "float32": torch.float32,
@@ -142,6 +144,12 @@ class Platform:
         """A platform whose kernels can run a whole decoder layer of a decode step in one call returns the
         function that binds one to a layer's weights; None keeps the layer operator by operator."""
         return None
+
+    def get_attn_backend(self, ops: OperatorTable) -> AttentionBackend:
+        """The attention backend the model runs with, over the operator table it was loaded with. The default is
+        paged attention through that table's write_kv / decode_attention / prefill_attention; a device whose kernels
+        take other metadata (block tables with sequence lengths, cumulative query offsets) returns its own."""
+        return PagedAttentionBackend(ops)
 
     @classmethod
     def vendor_version(cls) -> str | None:

@@ -73,7 +73,7 @@ class DecodeLayerWeights:
     sin: torch.Tensor
 
 
-# (x, positions, k_cache, v_cache, AttentionMetadata of a decode-only step) -> the layer's output.
+# (x, positions, k_cache, v_cache, paged_attention.AttentionMetadata of a decode-only step) -> the layer's output.
 FusedDecodeLayer = Callable[..., torch.Tensor]
 # Given a layer's weights, the platform's one-call decode layer for them, or None where it has none.
 DecodeLayerFuser = Callable[[DecodeLayerWeights], FusedDecodeLayer | None]

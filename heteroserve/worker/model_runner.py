@@ -10,12 +10,12 @@ import torch
 
 from heteroserve.config import CacheConfig
 from heteroserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from heteroserve.model.layers.attention import build_attention_metadata
 from heteroserve.model.layers.pooler import Pooler
 from heteroserve.model.layers.sampler import Sampler, SamplingRow, logprobs_of
 from heteroserve.model.loader import LoadedModel
 from heteroserve.outputs import TokenLogprobs
 from heteroserve.platforms import Platform
+from heteroserve.platforms.attention import AttentionStep
 from heteroserve.worker.image_inputs import ImageInputs
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class ModelRunner:
             self.arch.head_dim,
         )
         self.kv_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+        self.attn_backend = loaded.model.attn_backend
         self.sampler = Sampler(self.model.ops.argmax_rows)
         self.pooler = loaded.pooler  # a decoder serving embeddings: pooled hidden states instead of tokens
         self.images = ImageInputs(loaded.vision, self.device) if loaded.vision is not None else None
@@ -101,21 +102,17 @@ class ModelRunner:
         items = sorted(output.scheduled, key=lambda s: not s.decode_rows)
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        decodes, prefills = [], []
         for item in items:
-            start, n = item.start, item.num_new_tokens
-            if item.decode_rows:
-                decodes.extend((position, item.block_ids) for position in range(start, start + n))
-            else:
-                prefills.append((len(input_ids), n, start, item.block_ids))
             input_ids.extend(item.input_token_ids)
-            positions.extend(range(start, start + n))
-            bs = self.block_size
-            slots.extend(item.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
-        meta = build_attention_metadata(
-            self.block_size, slots, decodes, prefills, self.arch.sliding_window, self.device
+            positions.extend(range(item.start, item.start + item.num_new_tokens))
+        step = AttentionStep.of(
+            self.block_size,
+            [(item.block_ids, item.start, item.num_new_tokens) for item in items],
+            sum(1 for item in items if item.decode_rows),
+            self.arch.sliding_window,
+            self.device,
         )
+        meta = self.attn_backend.build_metadata(step)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         injected = None
         if self.images is not None and any(item.request.multimodal is not None for item in items):

@@ -12,12 +12,19 @@ import time
 import pytest
 import torch
 
-from heteroserve.model.layers.attention import build_attention_metadata
 from heteroserve.platforms import cpu_kernels, reference_ops
+from heteroserve.platforms.attention import AttentionStep
 from heteroserve.platforms.cpu import CpuPlatform
+from heteroserve.platforms.paged_attention import AttentionMetadata, PagedAttentionBackend
 
 BLOCK_SIZE = 16
 EDGE_LENGTHS = [1, 2, 15, 16, 17, 33, 140, 300]  # one token, block edges, the scenario-B length, many blocks
+
+
+def paged_metadata(requests: list[tuple[list[int], int, int]], num_decodes: int, sliding_window) -> AttentionMetadata:
+    """The paged backend's metadata for requests (block_ids, first new position, new tokens), decodes first."""
+    step = AttentionStep.of(BLOCK_SIZE, requests, num_decodes, sliding_window, "cpu")
+    return PagedAttentionBackend(CpuPlatform().operator_table(torch.float32, "reference")).build_metadata(step)
 
 
 @pytest.fixture(scope="module")
@@ -34,16 +41,16 @@ def kernel(fused) -> cpu_kernels.PagedDecodeAttention:
 
 def paged_batch(context_lengths, num_heads, num_kv_heads, head_dim, sliding_window=None, dtype=torch.float32, seed=0):
     """Random caches whose blocks are handed out in shuffled order, with spare blocks nobody owns, and the block
-    tables and mask that build_attention_metadata makes for these decodes."""
+    tables and mask that the paged attention backend makes for these decodes."""
     gen = torch.Generator().manual_seed(seed)
     blocks_needed = [-(-n // BLOCK_SIZE) for n in context_lengths]
     num_blocks = sum(blocks_needed) + 5
     order = torch.randperm(num_blocks, generator=gen).tolist()
     decodes, start = [], 0
     for n, count in zip(context_lengths, blocks_needed, strict=True):
-        decodes.append((n - 1, order[start : start + count]))  # the query is the last token of the context
+        decodes.append((order[start : start + count], n - 1, 1))  # the query is the last token of the context
         start += count
-    meta = build_attention_metadata(BLOCK_SIZE, [0] * len(decodes), decodes, [], sliding_window, torch.device("cpu"))
+    meta = paged_metadata(decodes, len(decodes), sliding_window)
     shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
@@ -140,13 +147,12 @@ def test_draft_rows_sharing_a_block_table(kernel, cache_dtype, head_dim, sliding
     order = torch.randperm(sum(blocks_needed) + 3, generator=gen).tolist()
     decodes, start = [], 0
     for n, d, count in zip(contexts, drafts, blocks_needed, strict=True):
-        blocks = order[start : start + count]
-        decodes += [(n - 1 + j, blocks) for j in range(d + 1)]  # rows at positions n-1 .. n-1+d, one table
+        decodes.append((order[start : start + count], n - 1, d + 1))  # rows at positions n-1 .. n-1+d, one table
         start += count
-    meta = build_attention_metadata(BLOCK_SIZE, [0] * len(decodes), decodes, [], sliding_window, torch.device("cpu"))
+    meta = paged_metadata(decodes, len(decodes), sliding_window)
     shape = (len(order), BLOCK_SIZE, 3, head_dim)
     k_cache, v_cache = (torch.randn(shape, generator=gen).to(cache_dtype) for _ in range(2))
-    q = torch.randn(len(decodes), 9, head_dim, generator=gen)
+    q = torch.randn(meta.num_decodes, 9, head_dim, generator=gen)
     args = (q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, head_dim**-0.5)
     torch.testing.assert_close(kernel(*args), reference_ops.decode_attention(*args), rtol=1e-5, atol=1e-5)
 
@@ -200,15 +206,14 @@ def test_cpu_platform_runs_its_operators_through_the_kernels(fused):
 
 
 def prompt_chunk(num_queries, context, num_heads, num_kv_heads, head_dim, sliding_window=None, seed=0):
-    """q, keys, values (strided views) and mask of a prompt chunk as build_attention_metadata makes them: the
+    """q, keys, values (strided views) and mask of a prompt chunk as the paged attention backend makes them: the
     chunk's queries sit after `context - num_queries` cached tokens; the mask is None for a whole prompt without
     a window."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(num_queries, num_heads + 1, head_dim, generator=gen)[:, 1:]  # views, as split from qkv
     keys, values = torch.randn(context, 2 * num_kv_heads, head_dim, generator=gen).split(num_kv_heads, dim=1)
-    meta = build_attention_metadata(
-        BLOCK_SIZE, [0] * num_queries, [], [(0, num_queries, context - num_queries, [0])], sliding_window, "cpu"
-    )
+    blocks = list(range(-(-context // BLOCK_SIZE)))
+    meta = paged_metadata([(blocks, context - num_queries, num_queries)], 0, sliding_window)
     return q, keys, values, meta.prefills[0].mask, head_dim**-0.5
 
 

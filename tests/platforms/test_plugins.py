@@ -25,13 +25,14 @@ try:
     resolve_platform("absent")
 except ValueError as exc:
     report["absent_error"] = str(exc)
-for device in ("cpu", "counting", "partial", "flaky"):
+for device in ("cpu", "counting", "partial", "flaky", "contiguous"):
     plugin.KERNEL_CALLS.clear()
     llm = LLM(model=folder, device=device, dtype="float32", max_model_len=128, num_kv_blocks=64)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     metrics = generate_latest(ServerMetrics(llm.engine, "tiny").registry).decode()
     report[device] = {
         "platform": type(llm.engine.platform).__name__,
+        "attention": llm.engine.executor.worker.runner.attn_backend.name,
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "kernel_calls": dict(plugin.KERNEL_CALLS),
         "fallbacks": dict(llm.engine.platform.operator_fallbacks),
@@ -48,17 +49,18 @@ def test_plugin_platforms_generate_like_the_cpu(plugin_site, tiny_qwen3):
 
     # Discovery: plugins first (so `auto` picks the first available one), built-ins after, the CPU last.
     names = list(report["platforms"])
-    assert names[:4] == ["counting", "partial", "flaky", "absent"] and names[-1] == "cpu"
+    assert names[:5] == ["counting", "partial", "flaky", "contiguous", "absent"] and names[-1] == "cpu"
     assert report["platforms"]["counting"] == ["plugin heteroserve-counting-platform", True]
     assert report["platforms"]["absent"][1] is False
     assert report["auto"] == "CountingPlatform"
     assert "'absent' is not available here (the plugin reports no device here)" in report["absent_error"]
-    assert "available: counting, partial, flaky, cpu" in report["absent_error"]
+    assert "available: counting, partial, flaky, contiguous, cpu" in report["absent_error"]
 
     cpu = report["cpu"]
     assert cpu["platform"] == "CpuPlatform" and cpu["kernel_calls"] == {} and cpu["fallbacks"] == {}
-    for device in ("counting", "partial", "flaky"):
+    for device in ("counting", "partial", "flaky", "contiguous"):
         assert report[device]["tokens"] == cpu["tokens"], device
+        assert report[device]["attention"] == ("contiguous" if device == "contiguous" else "paged"), device
 
     counting = report["counting"]
     assert counting["platform"] == "CountingPlatform" and counting["fallbacks"] == {}
@@ -73,6 +75,15 @@ def test_plugin_platforms_generate_like_the_cpu(plugin_site, tiny_qwen3):
     }
     # 3 layers x (2 layer norms + q and k norms) + the final norm, once per step.
     assert counting["kernel_calls"]["rms_norm"] % 13 == 0
+
+    # The plugin's own attention backend ran every layer of every step; the paged operators never ran.
+    contiguous = report["contiguous"]
+    assert contiguous["platform"] == "ContiguousPlatform" and contiguous["fallbacks"] == {}
+    calls = contiguous["kernel_calls"]
+    assert not {"write_kv", "prefill_attention", "decode_attention"} & set(calls)
+    assert calls["attention.build_metadata"] > 0
+    assert calls["attention.forward"] == 3 * calls["attention.build_metadata"]  # 3 layers
+    assert "attention.forward" not in counting["kernel_calls"]
 
     partial = report["partial"]
     assert set(partial["fallbacks"]) == {"rms_norm", "decode_attention"}

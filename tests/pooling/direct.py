@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from heteroserve.model.encoder import EncoderModel
-from heteroserve.model.layers.attention import build_attention_metadata
 from heteroserve.model.loader import LoadedModel
+from heteroserve.platforms.attention import AttentionStep
 from heteroserve.pooling_params import PoolingParams
 
 BLOCK_SIZE = 16
@@ -41,13 +41,12 @@ def _decoder_hidden(loaded: LoadedModel, ids: torch.Tensor, positions: torch.Ten
     shape = (sum(blocks), BLOCK_SIZE, arch.num_kv_heads, arch.head_dim)
     dtype = loaded.dtype
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in loaded.model.layers]
-    slots, prefills, first_block, start = [], [], 0, 0
+    requests, first_block = [], 0
     for n, count in zip(seq_lens, blocks, strict=True):
-        block_ids = list(range(first_block, first_block + count))
-        slots += [block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)]
-        prefills.append((start, n, 0, block_ids))
-        first_block, start = first_block + count, start + n
-    meta = build_attention_metadata(BLOCK_SIZE, slots, [], prefills, arch.sliding_window, torch.device("cpu"))
+        requests.append((list(range(first_block, first_block + count)), 0, n))
+        first_block += count
+    step = AttentionStep.of(BLOCK_SIZE, requests, 0, arch.sliding_window, "cpu")
+    meta = loaded.model.attn_backend.build_metadata(step)
     return loaded.model(ids, positions, caches, meta)
 
 

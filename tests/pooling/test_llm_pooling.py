@@ -65,7 +65,7 @@ def test_embeddings_match_sentence_transformers(name, request):
         f"{name}: min cosine {similarity.min():.8f}, max |diff| {(ours - reference).abs().max():.2e}, "
         f"largest cosine between different texts {spread(reference):.3f}"
     )
-    assert spread(reference) < 0.95
+    assert spread(reference) < 0.98  # mean-pooled BERT vectors of different texts stay apart
     assert similarity.min() >= COSINE
     assert torch.allclose(ours.norm(dim=1), torch.ones(len(texts)), atol=1e-5)
 

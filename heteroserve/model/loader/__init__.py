@@ -123,7 +123,13 @@ def load_model(
     if shard is not None:
         tensors = shard.take(tensors)
     model = DecoderModel(
-        arch, hf_config, max(max_model_len, arch.max_position_embeddings), ops, shard, lm_head=task == "generate"
+        arch,
+        hf_config,
+        max(max_model_len, arch.max_position_embeddings),
+        ops,
+        shard,
+        lm_head=task == "generate",
+        attn_backend=platform.get_attn_backend(ops),
     )
     score_head: dict[str, torch.Tensor] = {}
     if task != "generate":  # sentence-transformers saves the base model: no "model." prefix, no LM head
@@ -136,6 +142,7 @@ def load_model(
         vision = build_vision_encoder(hf_config, vision_tensors, dtype, platform.device)
     logger.info("weights: %.1f MiB as stored", model.weight_bytes() / 2**20)
     logger.info("kernels on %s: %s", platform.name, ", ".join(f"{k}={v}" for k, v in ops.describe().items()))
+    logger.info("attention backend: %s", model.attn_backend.name)
 
     pooler = None
     if task != "generate":

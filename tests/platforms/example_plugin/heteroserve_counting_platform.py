@@ -1,11 +1,13 @@
 """A worked example of a heteroserve platform plugin (docs/PLATFORMS.md), used by the tests.
 
 Its "device" is the CPU, so it runs anywhere, but it brings its own kernel table and counts each call,
-which shows that the engine really goes through the plugin. Four entry points share the module:
+which shows that the engine really goes through the plugin. Five entry points share the module:
 
 - `counting`: every operator has a kernel of the plugin's own;
 - `partial`: declares rms_norm and decode_attention unsupported, so those run through the CPU fallback;
 - `flaky`: its silu_and_mul and prefill_attention kernels raise NotImplementedError at run time;
+- `contiguous`: brings its own attention backend (`ContiguousAttentionBackend`) instead of paged attention
+  over the operator table, the way a device whose kernels take other metadata does;
 - `absent`: a plugin whose device is not present on this machine (its function returns None).
 """
 
@@ -13,10 +15,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from heteroserve.platforms.attention import AttentionBackend, AttentionStep
 from heteroserve.platforms.cpu import CpuPlatform
+from heteroserve.platforms.operators import OperatorTable
 
 KERNEL_CALLS: Counter[str] = Counter()  # operator -> calls that reached this plugin's kernels
 
@@ -56,6 +62,70 @@ class FlakyPlatform(CountingPlatform):
         return table
 
 
+@dataclass
+class ContiguousRequest:
+    rows: slice  # the request's query rows in the step
+    key_slots: torch.Tensor | None  # [seq_len] each token's cache slot; None: a whole prompt, its own keys
+    mask: torch.Tensor  # [query_len, seq_len] True where a query attends to a key
+
+
+@dataclass
+class ContiguousMetadata:
+    slot_mapping: torch.Tensor
+    requests: list[ContiguousRequest]
+
+
+class ContiguousAttentionBackend(AttentionBackend):
+    """Attention a request at a time: its keys and values gathered from the cache into contiguous tensors by
+    slot, then one SDPA call. Decodes, drafts and prefill chunks take the same path; a whole prompt attends over
+    its own keys as computed, unrounded by a narrower cache, as the reference does. Its calls are counted."""
+
+    name = "contiguous"
+
+    def build_metadata(self, step: AttentionStep) -> ContiguousMetadata:
+        KERNEL_CALLS["attention.build_metadata"] += 1
+        bs, device = step.block_size, step.device
+        requests = []
+        for i in range(step.num_requests):
+            table = torch.tensor(step.block_tables[i], dtype=torch.long)
+            positions = torch.arange(step.seq_lens[i])
+            slots = table[positions // bs] * bs + positions % bs
+            queries = torch.arange(step.context_len(i), step.seq_lens[i])[:, None]
+            mask = positions[None, :] <= queries
+            if step.sliding_window is not None:
+                mask &= positions[None, :] > queries - step.sliding_window
+            rows = slice(step.query_start_loc[i], step.query_start_loc[i + 1])
+            key_slots = slots.to(device) if step.context_len(i) else None
+            requests.append(ContiguousRequest(rows, key_slots, mask.to(device)))
+        return ContiguousMetadata(torch.tensor(step.slot_mapping, dtype=torch.long, device=device), requests)
+
+    def forward(self, q, k, v, k_cache, v_cache, metadata: ContiguousMetadata, scale: float) -> torch.Tensor:
+        KERNEL_CALLS["attention.forward"] += 1
+        k_slots, v_slots = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # views: writes land in the cache
+        k_slots[metadata.slot_mapping] = k.to(k_cache.dtype)
+        v_slots[metadata.slot_mapping] = v.to(v_cache.dtype)
+        group = q.shape[1] // k.shape[1]
+        out = torch.empty_like(q)
+        for request in metadata.requests:
+            if request.key_slots is None:
+                keys, values = k[request.rows], v[request.rows]
+            else:
+                keys, values = k_slots[request.key_slots].to(q.dtype), v_slots[request.key_slots].to(q.dtype)
+            keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)
+            values = values.repeat_interleave(group, dim=1).transpose(0, 1)
+            queries = q[request.rows].transpose(0, 1)
+            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=request.mask, scale=scale)
+            out[request.rows] = attended.transpose(0, 1)
+        return out
+
+
+class ContiguousPlatform(CountingPlatform):
+    name = "contiguous"
+
+    def get_attn_backend(self, ops: OperatorTable) -> AttentionBackend:
+        return ContiguousAttentionBackend()
+
+
 # Entry points: each returns the platform class's qualified name, or None when the device is absent.
 def counting() -> str:
     return f"{__name__}.CountingPlatform"
@@ -67,6 +137,10 @@ def partial() -> str:
 
 def flaky() -> str:
     return f"{__name__}.FlakyPlatform"
+
+
+def contiguous() -> str:
+    return f"{__name__}.ContiguousPlatform"
 
 
 def absent() -> None:
