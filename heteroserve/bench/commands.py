@@ -13,7 +13,7 @@ from heteroserve.bench.serve_command import run_serve_bench
 from heteroserve.bench.soak import run_soak_command
 from heteroserve.bench.throughput_command import run_throughput_bench
 from heteroserve.bench.vision import add_vision_parser
-from heteroserve.entrypoints.engine_args import EngineArgs
+from heteroserve.engine.engine_args import EngineArgs
 
 
 def add_bench_parser(commands) -> None:

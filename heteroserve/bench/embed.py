@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from heteroserve.bench.machine import describe_machine
-from heteroserve.entrypoints.engine_args import EngineArgs
-from heteroserve.entrypoints.llm import LLM
+from heteroserve.engine.engine_args import EngineArgs
+from heteroserve.engine.llm_engine import LLMEngine
+from heteroserve.pooling_params import PoolingParams
 
 VOCABULARY_WORDS = 2000
 HEAD_SIZE = 32  # as MiniLM's and bge-small's heads (BERT-base's and bge-m3's are 64)
@@ -94,6 +95,18 @@ def passages(count: int, min_tokens: int, max_tokens: int, seed: int) -> list[st
     ]
 
 
+def embed(engine: LLMEngine, texts: list[str]) -> torch.Tensor:
+    """Every text queued at once and stepped to the end, as LLM.embed does; the embeddings in text order."""
+    params = PoolingParams()
+    for i, text in enumerate(texts):
+        engine.add_request(str(i), text, params)
+    found: dict[str, torch.Tensor] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            found[output.request_id] = output.outputs.data
+    return torch.stack([found[str(i)] for i in range(len(texts))])
+
+
 def run_embed_bench(args: argparse.Namespace) -> dict:
     from sentence_transformers import SentenceTransformer
 
@@ -104,16 +117,16 @@ def run_embed_bench(args: argparse.Namespace) -> dict:
         if args.model is None:
             build_encoder_folder(folder, args.hidden_size, args.layers, args.max_tokens, args.seed)
         texts = passages(args.passages, args.min_tokens, args.max_tokens, args.seed)
-        llm = LLM.from_config(EngineArgs.from_cli_args(args, str(folder)).create_engine_config())
+        engine = LLMEngine(EngineArgs.from_cli_args(args, str(folder)).create_engine_config())
         reference = SentenceTransformer(str(folder), device="cpu")
         num_tokens = sum(len(reference.tokenizer(t)["input_ids"]) for t in texts)
-        llm.embed(texts[:8], use_tqdm=False)  # warm-up: first-use kernel builds and allocations
+        embed(engine, texts[:8])  # warm-up: first-use kernel builds and allocations
         reference.encode(texts[:8], convert_to_tensor=True)
         ours_s: list[float] = []
         theirs_s: list[float] = []
         for index in range(args.rounds):
             start = time.perf_counter()
-            ours = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+            ours = embed(engine, texts)
             ours_s.append(time.perf_counter() - start)
             start = time.perf_counter()
             theirs = reference.encode(texts, batch_size=args.st_batch_size, convert_to_tensor=True)
@@ -134,17 +147,17 @@ def run_embed_bench(args: argparse.Namespace) -> dict:
             "heteroserve_s": ours_s,
             "sentence_transformers_s": theirs_s,
             "sentence_transformers_batch_size": args.st_batch_size,
-            "max_num_batched_tokens": llm.engine.config.scheduler.max_num_batched_tokens,
+            "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
             "heteroserve_passages_per_s": len(texts) / statistics.median(ours_s),
             "sentence_transformers_passages_per_s": len(texts) / statistics.median(theirs_s),
             "ratio_per_round": ratios,
             "ratio_median": statistics.median(ratios),
             "min_cosine_vs_sentence_transformers": float(cosine.min()),
             "threads": torch.get_num_threads(),
-            "machine": describe_machine(llm.engine.platform),
+            "machine": describe_machine(engine.platform),
             "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
-        llm.shutdown()
+        engine.shutdown()
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=2))
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)

@@ -12,8 +12,8 @@ from typing import TypeVar
 
 from heteroserve.bench.machine import describe_machine
 from heteroserve.bench.workload import jsonl_requests, random_requests, scenario_requests
+from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.engine.llm_engine import LLMEngine
-from heteroserve.entrypoints.engine_args import EngineArgs
 
 PEERS = ("hf", "llama-cpp")
 T = TypeVar("T")

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.engine.llm_engine import LLMEngine
-from heteroserve.entrypoints.engine_args import EngineArgs
 from heteroserve.sampling_params import RequestOutputKind, SamplingParams
 
 QUESTION = "Describe this image."

@@ -144,7 +144,7 @@ class LocalBackend:
     """The model in this process: the engine stepped here, its text deltas streamed."""
 
     def __init__(self, model: str | None, args: argparse.Namespace) -> None:
-        from heteroserve.entrypoints.engine_args import EngineArgs
+        from heteroserve.engine.engine_args import EngineArgs
         from heteroserve.entrypoints.llm import LLM
 
         self.llm = LLM.from_config(EngineArgs.from_cli_args(args, model or None).create_engine_config())

@@ -7,8 +7,8 @@ import logging
 import sys
 
 from heteroserve.bench.commands import add_bench_parser
+from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.entrypoints.chat_client import add_chat_args, run_chat
-from heteroserve.entrypoints.engine_args import EngineArgs
 from heteroserve.entrypoints.gateway import add_gateway_args
 from heteroserve.entrypoints.openai.api_server import add_server_args
 

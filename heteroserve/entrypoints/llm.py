@@ -12,8 +12,8 @@ import torch
 from tqdm import tqdm
 
 from heteroserve.config import EngineConfig
+from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.engine.llm_engine import LLMEngine, PromptInput
-from heteroserve.entrypoints.engine_args import EngineArgs
 from heteroserve.multimodal.chat import split_images
 from heteroserve.outputs import (
     ClassificationOutput,

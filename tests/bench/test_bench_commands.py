@@ -278,3 +278,17 @@ def test_serve_directly_and_through_the_gateway(tmp_path):
     gateway_pairs = gateway["paired_ttft"]  # each request straight and through the gateway, alternating
     assert gateway_pairs["pairs"] == len(gateway_pairs["overhead_samples_ms"]) == 2
     assert result["gateway_ttft_overhead_ms"] == pytest.approx(sum(gateway_pairs["overhead_samples_ms"]) / 2)
+
+
+def test_embed_against_sentence_transformers(tmp_path):
+    """`bench embed` on a small built encoder: both sides' embeddings equal, a ratio per round."""
+    out = tmp_path / "embed.json"
+    bench(
+        "embed", "--passages", "12", "--max-tokens", "64", "--layers", "2", "--rounds", "2",
+        "--output-json", str(out),
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["passages"] == 12 and len(result["ratio_per_round"]) == 2
+    assert result["ratio_median"] == pytest.approx(statistics.median(result["ratio_per_round"]))
+    assert result["min_cosine_vs_sentence_transformers"] > 0.99999
+    assert 12 * 32 <= result["tokens"] <= 12 * 64

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from heteroserve.config import SchedulerConfig
-from heteroserve.entrypoints.engine_args import EngineArgs, cli_flag
+from heteroserve.engine.engine_args import EngineArgs, cli_flag
 from heteroserve.entrypoints.llm import LLM
 from heteroserve.entrypoints.openai.api_server import make_parser
 from tests.pooling.tiny_pooling_models import build_bert_embedder

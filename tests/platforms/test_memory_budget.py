@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from heteroserve.config import CacheConfig
-from heteroserve.entrypoints.engine_args import EngineArgs
+from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.entrypoints.openai.api_server import make_parser
 from heteroserve.platforms.cpu import CpuPlatform
 from heteroserve.platforms.interface import Platform

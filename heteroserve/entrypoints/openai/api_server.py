@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import heteroserve
 from heteroserve import web
 from heteroserve.engine.async_engine import AsyncLLMEngine
-from heteroserve.entrypoints.engine_args import EngineArgs
+from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.gate import Gate, ServerState, unless_disconnected
 from heteroserve.entrypoints.openai.pooling_routes import add_pooling_routes
