@@ -67,13 +67,34 @@ def build_app(
     app.state.engine = engine
     metrics = ServerMetrics(engine.engine, settings.served_model_names[0], settings.metrics_prefix)
     admission = Admission(settings.max_waiting_requests)  # one count for every route
-    completions = ServingCompletion(engine, settings, metrics, admission)
-    chats = ServingChat(engine, settings, metrics, admission)
     app.add_middleware(
         Gate, engine=engine, state=state, api_key=api_key, max_body_bytes=settings.max_request_body_bytes
     )
     if allowed_origins:  # outermost, so a browser's preflight is answered before the key is asked for
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])
+    _add_error_handlers(app)
+    _add_page_and_probe_routes(app, engine, state, metrics)
+    completions = ServingCompletion(engine, settings, metrics, admission)
+    chats = ServingChat(engine, settings, metrics, admission)
+    _add_generation_routes(app, engine, settings, completions, chats, log_requests)
+    add_pooling_routes(app, engine, settings, metrics, admission, _API_ERRORS, log_requests)
+
+    @app.on_event("startup")
+    async def warm_up():
+        task = engine.engine.task
+        params = (
+            SamplingParams(temperature=0, max_tokens=2, ignore_eos=True) if task == "generate" else PoolingParams(task)
+        )
+        async for _ in engine.generate(f"warmup-{uuid.uuid4().hex}", {"prompt_token_ids": [1, 2, 3]}, params):
+            pass
+        state.ready = True
+        logger.info("ready: serving %s", ", ".join(settings.served_model_names))
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every refusal in OpenAI's error shape: ours, pydantic's validation and Starlette's own."""
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError):
@@ -110,6 +131,10 @@ def build_app(
         response.headers.update(exc.headers or {})
         return response
 
+
+def _add_page_and_probe_routes(
+    app: FastAPI, engine: AsyncLLMEngine, state: ServerState, metrics: ServerMetrics
+) -> None:
     @app.get("/", include_in_schema=False)
     async def chat_page():
         return HTMLResponse(web.chat_page())
@@ -142,6 +167,17 @@ def build_app(
     @app.get("/version")
     async def version():
         return {"version": heteroserve.__version__}
+
+
+def _add_generation_routes(
+    app: FastAPI,
+    engine: AsyncLLMEngine,
+    settings: ServerSettings,
+    completions: ServingCompletion,
+    chats: ServingChat,
+    log_requests: bool,
+) -> None:
+    """The model cards, completions, chat and the tokenizer's routes."""
 
     def model_card(name: str) -> dict:
         return {
@@ -205,21 +241,6 @@ def build_app(
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
         return {"prompt": await asyncio.to_thread(chats.tokenizer.decode, body.tokens)}
-
-    add_pooling_routes(app, engine, settings, metrics, admission, _API_ERRORS, log_requests)
-
-    @app.on_event("startup")
-    async def warm_up():
-        task = engine.engine.task
-        params = (
-            SamplingParams(temperature=0, max_tokens=2, ignore_eos=True) if task == "generate" else PoolingParams(task)
-        )
-        async for _ in engine.generate(f"warmup-{uuid.uuid4().hex}", {"prompt_token_ids": [1, 2, 3]}, params):
-            pass
-        state.ready = True
-        logger.info("ready: serving %s", ", ".join(settings.served_model_names))
-
-    return app
 
 
 class DrainingServer(uvicorn.Server):
