@@ -230,6 +230,15 @@ class Scheduler:
             limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
         return self.proposer.propose(request, limit)
 
+    def stop_at(self, request: Request, num_tokens: int) -> None:
+        """Ends a request whose output a stop string ended within the tokens just appended: the tokens after its
+        first `num_tokens` are dropped (they are not output) and, unless a stop rule already ended it, it
+        finishes as stopped."""
+        del request.token_ids[num_tokens:]
+        request.num_computed_tokens = min(request.num_computed_tokens, num_tokens)
+        if not request.status.finished:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Ends a request (stop, length or abort) and frees its blocks; unknown ids are ignored."""
         request = self.requests.pop(request_id, None)

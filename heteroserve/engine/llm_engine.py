@@ -423,9 +423,7 @@ class LLMEngine:
             for i in range(appended):
                 num_output = known[rid] + i + 1 - request.num_prompt_tokens
                 if self.outputs.add_token(rid, result.token_ids[i], result.logprobs[i], num_output):
-                    del request.token_ids[known[rid] + i + 1 :]  # a stop string: tokens after it are not output
-                    if not request.status.finished:
-                        self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                    self.scheduler.stop_at(request, known[rid] + i + 1)  # a stop string ends the output here
                     break
             if request.status.finished:
                 self._release(rid)

@@ -1043,3 +1043,17 @@ def test_drafts_share_the_token_budget() -> None:
     assert max(record.num_tokens for record in sim.steps) == 6  # Sim checks every step against the budget
     assert sim.scheduler.num_accepted_tokens > 0
     assert (a.output_token_ids, b.output_token_ids) == ([3, 4, 5, 6] * 5, [7, 8, 9, 10] * 5)
+
+
+def test_stop_at_cuts_the_output_and_finishes_the_request():
+    """A stop string found by the output processor: the scheduler drops the tokens after it and ends the request."""
+    config = SchedulerConfig(max_num_batched_tokens=64, max_model_len=512)
+    scheduler = Scheduler(config, KVCacheManager(16, 16, enable_prefix_caching=False))
+    request = Request("a", [5, 6, 7], SamplingParams(max_tokens=10))
+    scheduler.add_request(request)
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, {"a": [8]})
+    request.token_ids += [9, 10]  # as if a step had appended three output tokens
+    scheduler.stop_at(request, 5)
+    assert request.token_ids == [5, 6, 7, 8, 9] and request.status == RequestStatus.FINISHED_STOPPED
+    assert "a" not in scheduler.requests and scheduler.kv_cache.pool.num_used_blocks == 0
