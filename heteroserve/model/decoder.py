@@ -18,7 +18,7 @@ from transformers import PretrainedConfig
 from heteroserve.distributed.parallel_state import ParallelGroups
 from heteroserve.model.arch import ModelArch
 from heteroserve.model.layers.norm import RMSNorm
-from heteroserve.model.layers.rotary import RotaryEmbedding, rotary_embedding
+from heteroserve.model.layers.rotary import MRotaryEmbedding, RotaryEmbedding, rotary_embedding
 from heteroserve.model.sharding import ModelShard
 from heteroserve.platforms.attention import AttentionBackend
 from heteroserve.platforms.operators import DecodeLayerWeights, FusedDecodeLayer, OperatorTable
@@ -110,8 +110,9 @@ class DecoderLayer(nn.Module):
         self.down_proj = _weight(arch.hidden_size, arch.intermediate_size)
         self.fused_decode: FusedDecodeLayer | None = None  # the platform's one-call layer for decode-only steps
 
-    def fuse_for_decode(self, rotary: RotaryEmbedding) -> None:
-        """Binds the platform's fused decode layer to this layer's prepared weights, where it has one."""
+    def fuse_for_decode(self, rotary: RotaryEmbedding, sliding_window: int | None, tp_size: int) -> None:
+        """Binds the platform's fused decode layer to this layer's prepared weights, where it has one that
+        implements all of this layer's traits (the fuser answers None otherwise)."""
         attn = self.self_attn
         self.fused_decode = self.ops.fuse_decode_layer(
             DecodeLayerWeights(
@@ -128,6 +129,9 @@ class DecoderLayer(nn.Module):
                 scale=attn.scale,
                 cos=rotary.cos,
                 sin=rotary.sin,
+                sliding_window=sliding_window,
+                multimodal_rope=isinstance(rotary, MRotaryEmbedding),
+                tensor_parallel_size=tp_size,
             )
         )
 
@@ -185,11 +189,9 @@ class DecoderModel(nn.Module):
             head = self.embed_tokens if self.lm_head is None else self.lm_head
             # A tied head gets its own prepared copy: the embedding lookup needs the plain layout.
             self._prepare(self, "lm_head", head, self.linear.prepare_lm_head)
-        # The fused layer does what forward does with one rank and plain (not M-RoPE) rotary.
-        plain = type(self.rotary) is RotaryEmbedding and self.parallel.tp_size == 1
-        if plain and self.ops.fuse_decode_layer is not None:
+        if self.ops.fuse_decode_layer is not None:
             for layer in self.layers:
-                layer.fuse_for_decode(self.rotary)
+                layer.fuse_for_decode(self.rotary, self.arch.sliding_window, self.parallel.tp_size)
 
     def _prepare(self, owner: nn.Module, name: str, weight, prepare=None) -> None:
         prepare = prepare or self.linear.prepare

@@ -5,8 +5,8 @@ and a slice of the MLP's intermediate rows), o and down are row-parallel (the ma
 partial outputs are summed by an all-reduce), the embedding and LM head own a slice of the vocabulary.
 KV heads are split like query heads, each with the query heads that read it, as evenly as they go (9 query and
 3 KV heads over 2 ranks: 3 + 6 and 1 + 2); with fewer KV heads than ranks each rank keeps a copy of the one its
-query heads read. MLP rows and vocabulary rows are split as evenly as they go. 4-bit weights are sliced in their
-packed form: rows freely, columns at group borders.
+query heads read. MLP rows and vocabulary rows are split as evenly as they go. Compressed weights slice themselves
+(ShardableWeight) in their packed form: rows freely, columns at group borders.
 Pipeline parallelism keeps the layers of the rank's stage, renumbered from 0.
 """
 
@@ -21,8 +21,7 @@ import torch
 
 from heteroserve.distributed.parallel_state import ParallelGroups, layer_range, vocab_range
 from heteroserve.model.arch import ModelArch
-from heteroserve.quantization.int4 import Int4Weight
-from heteroserve.quantization.int8 import Int8Weight
+from heteroserve.quantization.weight import ShardableWeight
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -133,31 +132,28 @@ def _even_split(total: int, rank: int, ranks: int) -> tuple[int, int]:
     return rank * total // ranks, (rank + 1) * total // ranks
 
 
-def slice_rows(tensor, start: int, end: int):
+def slice_rows(tensor: torch.Tensor | ShardableWeight, start: int, end: int) -> torch.Tensor | ShardableWeight:
     if isinstance(tensor, torch.Tensor):
         return tensor[start:end].clone()  # a copy, so the whole tensor can be freed
-    if isinstance(tensor, Int4Weight):
-        rows = (t[start:end].clone() for t in (tensor.packed, tensor.scale, tensor.zero))
-        return Int4Weight(*rows, tensor.group_size)
-    if isinstance(tensor, Int8Weight):
-        return Int8Weight(tensor.q[start:end].clone(), tensor.scale[start:end].clone(), tensor.group_size)
-    raise ValueError(f"tensor parallelism cannot split {type(tensor).__name__} weights; load with quantization='none'")
+    if not isinstance(tensor, ShardableWeight):
+        raise ValueError(_unsplittable(tensor))
+    return tensor.slice_rows(start, end)
 
 
-def slice_columns(tensor, start: int, end: int, name: str):
+def slice_columns(
+    tensor: torch.Tensor | ShardableWeight, start: int, end: int, name: str
+) -> torch.Tensor | ShardableWeight:
     if isinstance(tensor, torch.Tensor):
         return tensor[:, start:end].contiguous()
-    if isinstance(tensor, Int4Weight):
-        g = tensor.group_size
-        if start % g or end % g:
-            raise ValueError(
-                f"{name}: 4-bit groups of {g} columns cannot be split at column {start if start % g else end}; "
-                "choose another tensor_parallel_size or load with quantization='none'"
-            )
-        return Int4Weight(
-            tensor.packed[:, start // 2 : end // 2].contiguous(),
-            tensor.scale[:, start // g : end // g].contiguous(),
-            tensor.zero[:, start // g : end // g].contiguous(),
-            g,
-        )
-    raise ValueError(f"tensor parallelism cannot split {type(tensor).__name__} weights; load with quantization='none'")
+    if not isinstance(tensor, ShardableWeight):
+        raise ValueError(_unsplittable(tensor))
+    try:
+        return tensor.slice_columns(start, end)
+    except ValueError as exc:
+        raise ValueError(
+            f"{name}: {exc}; choose another tensor_parallel_size or load with quantization='none'"
+        ) from exc
+
+
+def _unsplittable(weight: object) -> str:
+    return f"tensor parallelism cannot split {type(weight).__name__} weights; load with quantization='none'"

@@ -20,6 +20,7 @@ from heteroserve.platforms.operators import DecodeLayerFuser, Kernel, LinearOp
 from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.int4 import Int4Weight
 from heteroserve.quantization.int8 import Int8Weight
+from heteroserve.quantization.weight import CompressedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,14 @@ class CpuLinear(LinearOp):
         int8_kernel: bool = False,
         bf16_gemm: bool = False,
     ) -> None:
+        super().__init__(
+            {
+                torch.Tensor: self._prepare_dense,
+                Int4Weight: self._prepare_int4,
+                Int8Weight: self._prepare_int8,
+                PermutedInput: self._prepare_permuted,
+            }
+        )
         self.dtype = dtype  # of the activations; weights expanded at load take it
         self.packed_float32 = packed_float32 and dtype == torch.float32
         self.int4_kernel = int4_kernel
@@ -129,49 +138,43 @@ class CpuLinear(LinearOp):
         self.bf16_gemm = bf16_gemm  # native bfloat16 multiplies: 4-bit weights in large batches use them
         self.name = "cpp packed gemm" if self.packed_float32 else "onednn-packed"
 
-    def prepare(self, weight):
-        if isinstance(weight, PermutedInput):
-            if self._expands(weight.weight):  # float anyway: back in input order, no gather needed
-                return self.prepare(weight.dequantize(self.dtype))
-            return PermutedInput(self.prepare(weight.weight), weight.order)
-        if isinstance(weight, Int4Weight):
-            if self.int4_kernel and CpuInt4Weight.supports(weight):
-                return CpuInt4Weight.pack(weight, self.bf16_gemm)
-            return weight
-        if isinstance(weight, Int8Weight):
-            if self.int8_kernel and CpuInt8Weight.supports(weight):
-                return CpuInt8Weight.pack(weight)
-            if self.dtype == torch.float32:
-                return CpuGroupedInt8Weight(weight)
-            weight = weight.dequantize(self.dtype)
+    def _prepare_dense(self, weight: torch.Tensor) -> torch.Tensor | CpuPackedWeight:
         if self.packed_float32:
             return CpuPackedWeight.pack(weight)
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_ROWS)
 
-    def _expands(self, weight) -> bool:
-        """8-bit weights neither 8-bit path takes (activations other than float32, no per-channel kernel)."""
-        if not isinstance(weight, Int8Weight) or self.dtype == torch.float32:
-            return False
-        return not (self.int8_kernel and CpuInt8Weight.supports(weight))
+    def _prepare_int4(self, weight: Int4Weight) -> Int4Weight | CpuInt4Weight:
+        if self.int4_kernel and CpuInt4Weight.supports(weight):
+            return CpuInt4Weight.pack(weight, self.bf16_gemm)
+        return weight
 
-    def prepare_lm_head(self, weight):
+    def _prepare_int8(self, weight: Int8Weight) -> torch.Tensor | CompressedWeight:
+        if self.int8_kernel and CpuInt8Weight.supports(weight):
+            return CpuInt8Weight.pack(weight)
+        if self.dtype == torch.float32:
+            return CpuGroupedInt8Weight(weight)
+        return self._prepare_dense(weight.dequantize(self.dtype))
+
+    def _prepare_permuted(self, weight: PermutedInput) -> torch.Tensor | CompressedWeight:
+        inner = self.prepare(weight.weight)
+        if isinstance(inner, torch.Tensor):  # expanded to float anyway: back in input order, no gather needed
+            return self.prepare(weight.dequantize(self.dtype))
+        return PermutedInput(inner, weight.order)
+
+    def prepare_lm_head(self, weight: torch.Tensor | CompressedWeight) -> torch.Tensor | CompressedWeight:
         # An 8-bit LM head (a tied Q8_0 embedding) multiplies in float32 even where the int8 kernel exists: with
         # activations in bfloat16 the default model's answer to "What is the capital of France?" turned into
         # "L'Étoile, la Marseillaise, ...".
-        if isinstance(weight, Int8Weight) and self.dtype == torch.float32:
-            return CpuGroupedInt8Weight(weight)
-        if isinstance(weight, Int8Weight):
-            weight = weight.dequantize()
+        if self.packer_for(weight) == self._prepare_int8:
+            return CpuGroupedInt8Weight(weight) if self.dtype == torch.float32 else self.prepare(weight.dequantize())
         return self.prepare(weight)
 
-    def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(weight, PermutedInput):
-            return self(weight.gather(x), weight.weight, bias)
-        if isinstance(weight, (CpuPackedWeight, CpuInt4Weight, CpuInt8Weight, CpuGroupedInt8Weight)):
-            return weight.matmul(x, bias)
-        if isinstance(weight, (Int4Weight, Int8Weight)):
-            return super().__call__(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor | CompressedWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor):  # oneDNN's reordered layout
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return weight.matmul(x, bias)
 
 
 def _int4_kernel_works() -> bool:

@@ -7,18 +7,20 @@ token a step, ~20 operator calls a layer from Python cost about a quarter of the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from heteroserve.platforms.cpu_int4 import DECODE_VNNI_MAX_ROWS, PANEL_MIN_ROWS, CpuInt4Weight
 from heteroserve.platforms.cpu_packed import CpuPackedWeight
 from heteroserve.platforms.operators import DecodeLayerWeights
 
-
-def _tensors(projection: CpuPackedWeight | CpuInt4Weight) -> list[torch.Tensor]:
-    """The projection as decode_layer.cpp reads it: [panels] or [packed, scales_and_zeros, scale_zero]."""
-    if isinstance(projection, CpuPackedWeight):
-        return [projection.packed]
-    return [projection.packed, projection.scales_and_zeros, projection.scale_zero]
+# The projection formats decode_layer.cpp reads, each as the tensors it takes: [panels] for packed float32,
+# [packed, scales_and_zeros, scale_zero] for torch-layout 4-bit.
+FUSED_FORMATS: dict[type, Callable[..., list[torch.Tensor]]] = {
+    CpuPackedWeight: lambda p: [p.packed],
+    CpuInt4Weight: lambda p: [p.packed, p.scales_and_zeros, p.scale_zero],
+}
 
 
 class CpuFusedDecodeLayer:
@@ -27,7 +29,7 @@ class CpuFusedDecodeLayer:
     def __init__(self, w: DecodeLayerWeights) -> None:
         projections = (w.qkv, w.o_proj, w.gate_up, w.down)
         self.norms = [w.input_norm, w.post_norm, *(w.qk_norms or ())]
-        self.projections = [_tensors(p) for p in projections]
+        self.projections = [FUSED_FORMATS[type(p)](p) for p in projections]
         self.out_features = [p.shape[0] for p in projections]
         self.qkv_bias, self.eps, self.num_heads, self.scale = w.qkv_bias, w.eps, w.num_heads, w.scale
         self.cos, self.sin = w.cos, w.sin
@@ -57,10 +59,12 @@ class CpuFusedDecodeLayer:
 
 
 def fuse_decode_layer(w: DecodeLayerWeights) -> CpuFusedDecodeLayer | None:
-    """Layers whose projections are all packed float32 or torch-layout 4-bit, in float32; others (8-bit weights,
-    act-order permutations) stay operator by operator."""
-    projections = (w.qkv, w.o_proj, w.gate_up, w.down)
-    if not all(isinstance(p, (CpuPackedWeight, CpuInt4Weight)) for p in projections):
+    """Layers in float32 whose projections all have a FUSED_FORMATS form; others (8-bit weights, act-order
+    permutations), and layers with a trait the C++ layer lacks (M-RoPE, tensor parallelism), stay operator by
+    operator. q/k biases, q/k norms and sliding windows (through the decode mask) it implements."""
+    if w.multimodal_rope or w.tensor_parallel_size != 1:
+        return None
+    if not all(type(p) in FUSED_FORMATS for p in (w.qkv, w.o_proj, w.gate_up, w.down)):
         return None
     if any(t.dtype != torch.float32 for t in (w.input_norm, w.post_norm, *(w.qk_norms or ()), w.cos)):
         return None

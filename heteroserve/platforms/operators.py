@@ -19,13 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from heteroserve.platforms import reference_ops
-from heteroserve.quantization.act_order import PermutedInput
-from heteroserve.quantization.int4 import Int4Weight
-from heteroserve.quantization.int8 import Int8Weight
+from heteroserve.quantization.weight import CompressedWeight
 
 logger = logging.getLogger(__name__)
 
 Kernel = Callable[..., object]
+# A loaded weight (a tensor or a heteroserve.quantization weight) -> the form a linear op's kernel multiplies by.
+WeightPacker = Callable[..., "torch.Tensor | CompressedWeight"]
 CPU_FALLBACK = "cpu fallback"
 _UNSUPPORTED_MESSAGE = re.compile(r"not implemented|not supported|unsupported", re.IGNORECASE)
 
@@ -33,30 +33,48 @@ _UNSUPPORTED_MESSAGE = re.compile(r"not implemented|not supported|unsupported", 
 class LinearOp:
     """y = x W^T + b. `prepare` runs once per weight at load time (e.g. to repack it for a kernel).
 
+    A compressed weight multiplies itself (`CompressedWeight.matmul`): the loaded formats with the plain-torch
+    reference, a platform's packed forms with its kernel. Which packed form a loaded weight becomes is the
+    `formats` table, keyed by the loaded weight's type, so a platform (or a plugin built on one) adds a kernel for
+    a format with `register_format` instead of editing a chain of type checks.
+
     Not in the fallback table: a kernel that repacks weights owns their layout, which the CPU reference
     could not read. Every torch device has a matrix product, so the plain one is always there."""
 
     name = "torch.linear"
 
-    def prepare(self, weight):
-        """A projection weight (a tensor or a heteroserve.quantization weight) in the form __call__ reads."""
-        return weight
+    def __init__(self, formats: Mapping[type, WeightPacker] | None = None) -> None:
+        self.formats: dict[type, WeightPacker] = dict(formats or {})
 
-    def prepare_lm_head(self, weight):
+    def register_format(self, weight_type: type, pack: WeightPacker) -> None:
+        """Weights of `weight_type` (and its subclasses) are prepared by `pack` from now on."""
+        self.formats[weight_type] = pack
+
+    def prepare(self, weight: torch.Tensor | CompressedWeight) -> torch.Tensor | CompressedWeight:
+        """A projection weight (a tensor or a heteroserve.quantization weight) in the form __call__ reads."""
+        pack = self.packer_for(weight)
+        return weight if pack is None else pack(weight)
+
+    def packer_for(self, weight: object) -> WeightPacker | None:
+        """The registered packer of the nearest type in `weight`'s class hierarchy, or None."""
+        return next((self.formats[cls] for cls in type(weight).__mro__ if cls in self.formats), None)
+
+    def prepare_lm_head(self, weight: torch.Tensor | CompressedWeight) -> torch.Tensor | CompressedWeight:
         """The LM head (possibly the tied embedding's copy); platforms may keep it in a different form."""
         return self.prepare(weight)
 
-    def __call__(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(weight, PermutedInput):  # act-order weights read the input columns in their order
-            return self(weight.gather(x), weight.weight, bias)
-        if isinstance(weight, (Int4Weight, Int8Weight)):  # the reference for compressed weights: dequantise
-            return F.linear(x, weight.dequantize(x.dtype), bias)
-        return F.linear(x, weight, bias)
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor | CompressedWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if isinstance(weight, torch.Tensor):
+            return F.linear(x, weight, bias)
+        return weight.matmul(x, bias)
 
 
 @dataclass(frozen=True)
 class DecodeLayerWeights:
-    """A decoder layer as a fused decode kernel needs it: weights as the linear op prepared them."""
+    """A decoder layer as a fused decode kernel needs it: weights as the linear op prepared them, and every
+    architecture trait the operator-by-operator layer implements, so the fuser can refuse what it does not."""
 
     input_norm: torch.Tensor
     qk_norms: tuple[torch.Tensor, torch.Tensor] | None  # per-head RMSNorm of q and k (Qwen3)
@@ -71,6 +89,10 @@ class DecodeLayerWeights:
     scale: float
     cos: torch.Tensor  # the rotary tables [max_positions, head_dim]
     sin: torch.Tensor
+    # Architecture traits a fuser may not implement: it returns None for a layer with one it lacks.
+    sliding_window: int | None = None  # keys older than this many positions are masked out
+    multimodal_rope: bool = False  # M-RoPE (Qwen2-VL): each rotary column reads one of several position axes
+    tensor_parallel_size: int = 1  # >1: the projections are a rank's slices and their outputs are all-reduced
 
 
 # (x, positions, k_cache, v_cache, paged_attention.AttentionMetadata of a decode-only step) -> the layer's output.

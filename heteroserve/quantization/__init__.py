@@ -4,5 +4,6 @@ into a canonical compressed weight; platforms choose the kernel that multiplies 
 from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.int4 import Int4Weight
 from heteroserve.quantization.int8 import Int8Weight
+from heteroserve.quantization.weight import CompressedWeight, ShardableWeight
 
-__all__ = ["Int4Weight", "Int8Weight", "PermutedInput"]
+__all__ = ["CompressedWeight", "Int4Weight", "Int8Weight", "PermutedInput", "ShardableWeight"]

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from heteroserve.quantization.weight import CompressedWeight
+
 
 @dataclass
 class PermutedInput:
-    weight: object  # Int4Weight, Int8Weight or a platform's packed form of one, over sorted columns
+    weight: CompressedWeight  # Int4Weight, Int8Weight or a platform's packed form of one, over sorted columns
     order: torch.Tensor  # int64 [K]: sorted column j is input column order[j]
 
     @property
@@ -28,6 +30,16 @@ class PermutedInput:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return x.index_select(-1, self.order)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.weight.matmul(self.gather(x), bias)
+
+    def slice_rows(self, start: int, end: int) -> PermutedInput:
+        """Output rows keep the column order, so they split like the inner weight's."""
+        return PermutedInput(self.weight.slice_rows(start, end), self.order)
+
+    def slice_columns(self, start: int, end: int) -> PermutedInput:
+        raise ValueError("act-order weights read their input columns out of order: they cannot be split by column")
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight in the checkpoint's column order."""

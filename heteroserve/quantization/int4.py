@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -47,6 +48,26 @@ class Int4Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.rows(slice(None)).to(dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The reference product: the weight expanded to x's dtype (platforms repack it for their kernels)."""
+        return F.linear(x, self.dequantize(x.dtype), bias)
+
+    def slice_rows(self, start: int, end: int) -> Int4Weight:
+        rows = (t[start:end].clone() for t in (self.packed, self.scale, self.zero))
+        return Int4Weight(*rows, self.group_size)
+
+    def slice_columns(self, start: int, end: int) -> Int4Weight:
+        """Columns split at group borders only: a group's scale and zero cannot be shared between ranks."""
+        g = self.group_size
+        if start % g or end % g:
+            raise ValueError(f"4-bit groups of {g} columns cannot be split at column {start if start % g else end}")
+        return Int4Weight(
+            self.packed[:, start // 2 : end // 2].contiguous(),
+            self.scale[:, start // g : end // g].contiguous(),
+            self.zero[:, start // g : end // g].contiguous(),
+            g,
+        )
 
     def rows(self, index) -> torch.Tensor:
         """Float32 rows `index` (an embedding lookup), without dequantising the rest."""

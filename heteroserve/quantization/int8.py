@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -43,6 +44,22 @@ class Int8Weight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.rows(slice(None)).to(dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The reference product: the weight expanded to x's dtype (platforms repack it for their kernels)."""
+        return F.linear(x, self.dequantize(x.dtype), bias)
+
+    def slice_rows(self, start: int, end: int) -> Int8Weight:
+        zero = None if self.zero is None else self.zero[start:end].clone()
+        return Int8Weight(self.q[start:end].clone(), self.scale[start:end].clone(), self.group_size, zero)
+
+    def slice_columns(self, start: int, end: int) -> Int8Weight:
+        """Columns split at group borders only (a per-channel weight is one group: it cannot be split)."""
+        g = self.group_size
+        if start % g or end % g:
+            raise ValueError(f"8-bit groups of {g} columns cannot be split at column {start if start % g else end}")
+        zero = None if self.zero is None else self.zero[:, start // g : end // g].contiguous()
+        return Int8Weight(self.q[:, start:end].contiguous(), self.scale[:, start // g : end // g].contiguous(), g, zero)
 
     def rows(self, index) -> torch.Tensor:
         """Float32 rows `index` (an embedding lookup), without dequantising the rest."""

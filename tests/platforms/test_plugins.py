@@ -114,3 +114,37 @@ def test_environment_variable_selects_a_plugin(plugin_site):
     result = run_python(["-c", code], plugin_site, {"HETEROSERVE_DEVICE": "partial"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "PartialPlatform"
+
+
+DEFAULT_MODEL_SCRIPT = """
+import json, sys
+import heteroserve_counting_platform as plugin
+from heteroserve import LLM, SamplingParams
+
+prompts = json.loads(sys.argv[1])
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+report = {}
+for device in ("cpu", "contiguous"):
+    plugin.KERNEL_CALLS.clear()
+    llm = LLM(device=device, max_model_len=128, kv_cache_memory_bytes=32 * 1024**2)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    layer = llm.engine.executor.worker.runner.model.layers[0]
+    report[device] = {
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "int4_calls": plugin.KERNEL_CALLS["linear.int4"],
+        "attention_calls": plugin.KERNEL_CALLS["attention.forward"],
+        "down_proj": type(layer.down_proj).__name__,
+    }
+print(json.dumps(report))
+"""
+
+
+def test_plugin_weight_kernel_runs_the_default_model(plugin_site, default_model_path):
+    """The example plugin's own attention backend and 4-bit kernel give the default model's (Q4_1) greedy tokens,
+    with heteroserve's code untouched: the kernel is registered with the linear op from the plugin."""
+    prompts = ["The capital of France is", "def quicksort(arr):\n"]
+    report = last_json(run_python(["-c", DEFAULT_MODEL_SCRIPT, json.dumps(prompts)], plugin_site))
+    cpu, plugin = report["cpu"], report["contiguous"]
+    assert plugin["tokens"] == cpu["tokens"]
+    assert cpu["int4_calls"] == 0 and plugin["down_proj"] == "ExampleInt4Weight"
+    assert plugin["int4_calls"] > 0 and plugin["attention_calls"] > 0

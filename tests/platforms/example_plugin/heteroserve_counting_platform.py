@@ -7,7 +7,8 @@ which shows that the engine really goes through the plugin. Five entry points sh
 - `partial`: declares rms_norm and decode_attention unsupported, so those run through the CPU fallback;
 - `flaky`: its silu_and_mul and prefill_attention kernels raise NotImplementedError at run time;
 - `contiguous`: brings its own attention backend (`ContiguousAttentionBackend`) instead of paged attention
-  over the operator table, the way a device whose kernels take other metadata does;
+  over the operator table, the way a device whose kernels take other metadata does, and its own kernel for
+  4-bit weights (`ExampleInt4Weight`), registered with the linear op rather than written into heteroserve;
 - `absent`: a plugin whose device is not present on this machine (its function returns None).
 """
 
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 
 from heteroserve.platforms.attention import AttentionBackend, AttentionStep
 from heteroserve.platforms.cpu import CpuPlatform
-from heteroserve.platforms.operators import OperatorTable
+from heteroserve.platforms.operators import LinearOp, OperatorTable
+from heteroserve.quantization.int4 import Int4Weight
 
 KERNEL_CALLS: Counter[str] = Counter()  # operator -> calls that reached this plugin's kernels
 
@@ -119,8 +121,40 @@ class ContiguousAttentionBackend(AttentionBackend):
         return out
 
 
+@dataclass
+class ExampleInt4Weight:
+    """The example device's form of a 4-bit weight (heteroserve.quantization.weight.CompressedWeight): its
+    product unpacks the nibbles group by group in the activations' dtype and multiplies. Its calls are counted."""
+
+    weight: Int4Weight
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.weight.dequantize(dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        KERNEL_CALLS["linear.int4"] += 1
+        w = self.weight
+        nibbles = torch.stack((w.packed & 15, w.packed >> 4), dim=-1).flatten(1)
+        groups = nibbles.to(x.dtype).unflatten(1, (-1, w.group_size)) - 8
+        dense = groups * w.scale.to(x.dtype)[..., None] + w.zero.to(x.dtype)[..., None]
+        return F.linear(x, dense.flatten(1), bias)
+
+
 class ContiguousPlatform(CountingPlatform):
     name = "contiguous"
+
+    def linear_op(self, dtype: torch.dtype, kernels: str = "auto") -> LinearOp:
+        op = super().linear_op(dtype, kernels)
+        op.register_format(Int4Weight, ExampleInt4Weight)
+        return op
 
     def get_attn_backend(self, ops: OperatorTable) -> AttentionBackend:
         return ContiguousAttentionBackend()
