@@ -1,10 +1,12 @@
-"""One rank in the engine's own process: no process group, no serialisation."""
+"""One rank in the engine's own process: no process group, no serialisation. It receives the same step deltas as
+worker processes do (worker/step_wire.py), so the rank holds its own copy of each request, never the engine's."""
 
 from __future__ import annotations
 
 from heteroserve.config import EngineConfig
 from heteroserve.executor.base import Executor
-from heteroserve.worker.worker import Step, Worker
+from heteroserve.worker.step_wire import StepEncoder
+from heteroserve.worker.worker import Worker
 
 
 class InProcessExecutor(Executor):
@@ -13,6 +15,7 @@ class InProcessExecutor(Executor):
         self.worker = Worker(config)
         self.model_info = self.worker.info
         self.platform = self.worker.platform
+        self._encoder = StepEncoder()
 
     def _execute(self, scheduled, released):
-        return self.worker.execute(Step(scheduled, released))
+        return self.worker.execute(self._encoder.encode(scheduled, released, wait_for_masks=False))

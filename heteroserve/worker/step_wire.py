@@ -1,4 +1,5 @@
-"""Steps as they travel to worker processes and Ray actors: only what changed since the last step.
+"""Steps as every rank receives them (in the engine's process, worker processes, Ray actors): only what changed
+since the last step.
 
 A request's prompt and sampling parameters go once, when it is first scheduled; afterwards a step carries
 the tokens appended since (the last sampled one), where its computation starts, and its block table. The
@@ -8,7 +9,7 @@ would cost every step time proportional to every running request's length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -30,14 +31,17 @@ class ScheduledDelta:
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens to check this step
     pooling_params: PoolingParams | None = None  # the first time only
     token_type_ids: list[int] | None = None  # the first time only
+    multimodal: object | None = None  # the first time only: a vision-language prompt's images (one rank only)
 
 
 @dataclass
 class WireStep:
     scheduled: list[ScheduledDelta]
     released: list[str] = field(default_factory=list)  # finished since the last step: forget them
-    # Structured outputs: request id -> its grammar's bitmask row (the engine waits for them before sending).
-    token_bitmasks: dict[str, Sequence[int]] = field(default_factory=dict)
+    # Structured outputs: request id -> its grammar's bitmask row. A worker process gets them computed (the engine
+    # waits for them before sending); the rank in the engine's process gets the Future, so they are computed
+    # while its model runs.
+    token_bitmasks: Mapping[str, Sequence[int]] | Future | None = None
 
 
 class StepEncoder:
@@ -46,7 +50,7 @@ class StepEncoder:
     def __init__(self) -> None:
         self._sent: dict[str, int] = {}
 
-    def encode(self, output: SchedulerOutput, released: list[str]) -> WireStep:
+    def encode(self, output: SchedulerOutput, released: list[str], wait_for_masks: bool = True) -> WireStep:
         for request_id in released:
             self._sent.pop(request_id, None)
         deltas = []
@@ -65,10 +69,13 @@ class StepEncoder:
                 item.draft_token_ids,
                 request.pooling_params if first else None,
                 request.token_type_ids if first else None,
+                request.multimodal if first else None,
             )
             self._sent[request.request_id] = request.num_tokens
             deltas.append(delta)
-        masks = output.token_bitmasks.result() if output.token_bitmasks is not None else {}
+        masks = output.token_bitmasks
+        if wait_for_masks and masks is not None:
+            masks = masks.result()
         return WireStep(deltas, released, masks)
 
 
@@ -90,14 +97,15 @@ class StepDecoder:
                     delta.sampling_params,
                     pooling_params=delta.pooling_params,
                     token_type_ids=delta.token_type_ids,
+                    multimodal=delta.multimodal,
                 )
                 self._requests[delta.request_id] = request
             request = self._requests[delta.request_id]
             request.token_ids.extend(delta.new_token_ids)
             request.num_computed_tokens = delta.num_computed_tokens
             scheduled.append(ScheduledRequest(request, delta.num_new_tokens, delta.block_ids, delta.draft_token_ids))
-        masks = None
-        if step.token_bitmasks:
+        masks = step.token_bitmasks
+        if masks is not None and not isinstance(masks, Future):
             masks = Future()
             masks.set_result(step.token_bitmasks)
         return SchedulerOutput(scheduled, token_bitmasks=masks), step.released

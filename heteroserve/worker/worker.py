@@ -1,19 +1,18 @@
 """One rank: joins the process groups, loads its share of the model and runs the steps it is handed.
 
-Every executor (in-process, worker processes, Ray actors) drives the same `Worker`; only how a step
-reaches it and how the sampled tokens get back differ.
+Every executor (in-process, worker processes, Ray actors) drives the same `Worker` with the same step deltas
+(step_wire.py); only how a step reaches it and how the sampled tokens get back differ.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from heteroserve.config import EngineConfig
-from heteroserve.core.scheduler import SchedulerOutput
 from heteroserve.distributed.parallel_state import ParallelGroups, init_parallel_groups
 from heteroserve.model.encoder import EncoderModel
 from heteroserve.model.layers.pooler import PoolerSpec
@@ -44,14 +43,6 @@ class ModelInfo:
     vision_language: bool
     task: str  # "generate", or a pooling model's "embed" / "score"
     pooler_spec: PoolerSpec | None  # what a pooling model returns and accepts
-
-
-@dataclass
-class Step:
-    """What every rank receives per engine step: the schedule and the requests finished since the last one."""
-
-    scheduled: SchedulerOutput
-    released: list[str] = field(default_factory=list)
 
 
 class Worker:
@@ -113,13 +104,13 @@ class Worker:
         dist.all_reduce(total, group=self.groups.control_group)
         return int(blocks), int(total)
 
-    def execute(self, step: Step | WireStep) -> dict[str, StepResult] | None:
-        """Runs the step on this rank; the sampling rank returns the results, the others None."""
-        if isinstance(step, WireStep):  # from another process: rebuild the requests from what changed
-            step = Step(*self._decoder.decode(step))
-        for request_id in step.released:
+    def execute(self, step: WireStep) -> dict[str, StepResult] | None:
+        """Runs the step on this rank (its copies of the requests updated from the step's deltas); the sampling
+        rank returns the results, the others None."""
+        scheduled, released = self._decoder.decode(step)
+        for request_id in released:
             self.runner.release(request_id)
-        results = self.runner.execute(step.scheduled) if step.scheduled.scheduled else {}
+        results = self.runner.execute(scheduled) if scheduled.scheduled else {}
         return results if self.groups.samples else None
 
     def close(self) -> None:
