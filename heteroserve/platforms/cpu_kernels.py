@@ -286,14 +286,16 @@ def openmp_ldflags() -> tuple[str, ...]:
     count (torch.set_num_threads, each tensor-parallel worker's share of the cores). -fopenmp alone links the
     system's libgomp.so.1, which is torch's only where the wheel ships it under that name (x86-64); PyPI's
     aarch64 wheels ship a renamed copy (torch.libs/libgomp-<hash>.so.1.0.0), and a second runtime would run
-    as many threads as cores beside torch's."""
-    site = str(Path(torch.__file__).resolve().parent.parent)
+    as many threads as cores beside torch's. Only torch's own folders count: other wheels bring runtimes of
+    their own (scikit-learn's scikit_learn.libs/libgomp-<hash>.so, loaded with sentence-transformers)."""
+    torch_dir = Path(torch.__file__).resolve().parent
+    own = (f"{torch_dir}/", f"{torch_dir.parent / 'torch.libs'}/")
     try:
         with open("/proc/self/maps") as maps:
             loaded = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp5" in line}
     except OSError:
         loaded = set()
-    runtimes = sorted(path for path in loaded if path.startswith(site))
+    runtimes = sorted(path for path in loaded if path.startswith(own))
     return tuple(runtimes[:1]) or ("-fopenmp",)
 
 
