@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # Tests share 2 cores with the servers they start: OpenMP workers must sleep, not spin, when idle.
 # (Read when libgomp loads, so this comes before torch is imported.)
@@ -100,3 +101,21 @@ def embedding_server(served_embedder):
     )
     yield process
     process.stop()
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+needs_chromium = pytest.mark.skipif(
+    not CHROMIUM.exists(), reason="no /usr/bin/chromium (scripts/setup.sh installs it when run as root with apt)"
+)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """The system's Chromium driven by playwright, one per test module (the chat page tests)."""
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    with playwright_api.sync_playwright() as playwright:
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+        flags += ["--disable-component-update", "--disable-sync"]
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=flags)
+        yield browser
+        browser.close()

@@ -8,24 +8,12 @@ from pathlib import Path
 
 import pytest
 
-CHROMIUM = Path("/usr/bin/chromium")
+from tests.conftest import needs_chromium
+
 ARTIFACTS = Path(__file__).parents[1] / "artifacts"
 QUESTION = "What is the capital of France?"
 
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(), reason="no /usr/bin/chromium (scripts/setup.sh installs it when run as root with apt)"
-)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    playwright_api = pytest.importorskip("playwright.sync_api")
-    with playwright_api.sync_playwright() as playwright:
-        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
-        flags += ["--disable-component-update", "--disable-sync"]
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=flags)
-        yield browser
-        browser.close()
+pytestmark = needs_chromium
 
 
 @pytest.fixture

@@ -8,16 +8,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
+from tests.conftest import needs_chromium
 
-CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).parents[1] / "artifacts"
 QUESTION = "What is the capital of France?"
 ANSWER = "The capital of France is Paris."
 
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(), reason="no /usr/bin/chromium (scripts/setup.sh installs it when run as root with apt)"
-)
+pytestmark = needs_chromium
 
 # What a model might answer: every construct the page renders, and HTML that must never run.
 RICH_ANSWER = """<think>The user wants a table.</think>Here is a *table*:
@@ -48,17 +45,6 @@ PNG_1X1 = (
     "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
     "1f15c4890000000d4944415478da63f8cfc0f01f0005000201e2213bbc0000000049454e44ae426082"
 )
-
-
-@pytest.fixture(scope="module")
-def browser():
-    playwright_api = pytest.importorskip("playwright.sync_api")
-    with playwright_api.sync_playwright() as playwright:
-        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
-        flags += ["--disable-component-update", "--disable-sync"]
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=flags)
-        yield browser
-        browser.close()
 
 
 def open_page(browser, server, width: int, height: int = 800):

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from heteroserve import web
 from heteroserve.entrypoints.gateway.backends import check_all
 from heteroserve.entrypoints.gateway.config import ConfigError, load_config
 from heteroserve.entrypoints.gateway.metrics import GatewayMetrics
@@ -27,6 +26,7 @@ from heteroserve.entrypoints.gateway.proxy import Proxy
 from heteroserve.entrypoints.gateway.router import Router, Target
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.gate import ServerState
+from heteroserve.entrypoints.openai.page_routes import add_chat_page_routes
 
 logger = logging.getLogger("heteroserve.gateway")
 
@@ -130,17 +130,7 @@ def request_id(request: Request) -> str:
 
 
 def _add_page_and_probe_routes(app: FastAPI, gateway: Gateway, state: ServerState, metrics: GatewayMetrics) -> None:
-    @app.get("/", include_in_schema=False)
-    async def chat_page():
-        return HTMLResponse(web.chat_page())
-
-    @app.get("/static/{path:path}", include_in_schema=False)
-    async def chat_page_asset(path: str):
-        found = web.asset(path)
-        if found is None:
-            raise APIError(404, f"there is no page asset {path}")
-        content, media_type, cache = found
-        return Response(content, media_type=media_type, headers={"Cache-Control": cache})
+    add_chat_page_routes(app)
 
     def backend_states() -> dict[str, str]:
         return {b.name: "up" if b.up else "down" for b in gateway.router.backends.values()}

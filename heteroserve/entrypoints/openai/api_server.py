@@ -13,16 +13,16 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import heteroserve
-from heteroserve import web
 from heteroserve.engine.async_engine import AsyncLLMEngine
 from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.gate import Gate, ServerState, unless_disconnected
+from heteroserve.entrypoints.openai.page_routes import add_chat_page_routes
 from heteroserve.entrypoints.openai.pooling_routes import add_pooling_routes
 from heteroserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -135,17 +135,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_page_and_probe_routes(
     app: FastAPI, engine: AsyncLLMEngine, state: ServerState, metrics: ServerMetrics
 ) -> None:
-    @app.get("/", include_in_schema=False)
-    async def chat_page():
-        return HTMLResponse(web.chat_page())
-
-    @app.get("/static/{path:path}", include_in_schema=False)
-    async def chat_page_asset(path: str):
-        found = web.asset(path)
-        if found is None:
-            raise APIError(404, f"there is no page asset {path}")
-        content, media_type, cache = found
-        return Response(content, media_type=media_type, headers={"Cache-Control": cache})
+    add_chat_page_routes(app)
 
     @app.get("/health", responses=_PROBE_ERRORS)
     async def health():
