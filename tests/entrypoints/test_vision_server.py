@@ -15,7 +15,7 @@ import pytest
 
 from heteroserve.sampling_params import SamplingParams
 from tests.entrypoints.server_process import ServerProcess
-from tests.gateway.test_chat_page import ARTIFACTS, browser, last_reply, page, send, settings  # noqa: F401 - fixtures
+from tests.gateway.test_chat_page import ARTIFACTS, last_reply, page, send, settings  # noqa: F401 - fixtures
 from tests.model.tiny_vl import image, save_tiny_vl
 from tests.multimodal.test_media import header_only_png
 
