@@ -95,6 +95,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     max_model_len: int = 8192
     pooling: bool = False  # the model returns pooled hidden states instead of generating
+    max_loras: int | None = None  # with LoRA: most adapters in one step (their requests wait for a free slot)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -149,6 +150,28 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative_config keys: {', '.join(sorted(unknown))}")
         return cls(**values)
+
+
+@dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's --enable-lora): how many adapters a step may mix (each holds a device slot), the
+    largest rank a slot holds, and how many adapters stay read in host memory."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def host_capacity(self) -> int:
+        return self.max_cpu_loras or self.max_loras
 
 
 @dataclass
@@ -242,6 +265,7 @@ class EngineConfig:
     multimodal: MultimodalConfig = field(default_factory=MultimodalConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None  # None: LoRA adapters are refused
     # How reasoning models mark their thinking (vLLM's --reasoning-parser): structured outputs start after it.
     reasoning_parser: str | None = None
 
@@ -250,3 +274,12 @@ class EngineConfig:
             raise ValueError(
                 f"unknown reasoning parser {self.reasoning_parser!r}; known: {', '.join(sorted(REASONING_END_MARKERS))}"
             )
+        if self.lora is not None:
+            if self.parallel.world_size > 1:
+                raise ValueError(
+                    "LoRA adapters run on one rank: tensor and pipeline parallelism with enable_lora are not "
+                    "supported yet (drop --enable-lora or the parallelism)"
+                )
+            if self.scheduler.pooling:
+                raise ValueError("LoRA adapters are served on generating models; this model pools (embed / score)")
+            self.scheduler.max_loras = self.lora.max_loras

@@ -81,13 +81,15 @@ class KVCacheManager:
 
     def _block_key(self, request: Request, i: int) -> tuple:
         """What block i holds: its token ids, plus the content hash of every image whose tokens it covers
-        (image placeholder tokens are all the same id, so the ids alone cannot tell two images apart)."""
+        (image placeholder tokens are all the same id, so the ids alone cannot tell two images apart), plus the
+        LoRA adapter that computed it (the same tokens under two adapters have different KV)."""
         start, end = i * self.block_size, (i + 1) * self.block_size
         key = tuple(request.token_ids[start:end])
         images = tuple(
             p.content_hash for p in request.image_placeholders if p.offset < end and p.offset + p.length > start
         )
-        return key + images if images else key
+        adapter = (("lora", request.lora_id),) if request.lora_id else ()
+        return key + images + adapter if images or adapter else key
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of the request's full blocks, extended as its tokens grow."""

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from heteroserve.lora.request import LoRARequest
 from heteroserve.pooling_params import PoolingParams
 from heteroserve.sampling_params import SamplingParams
 
@@ -67,10 +68,16 @@ class Request:
     # A pooling model's request: computed whole in one step, then finished with its pooled result; no output tokens.
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None  # a cross-encoder's text-pair segments (BERT's token types)
+    lora_request: LoRARequest | None = None  # the adapter it runs under (None: the base model)
     token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def lora_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

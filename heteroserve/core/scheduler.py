@@ -5,6 +5,8 @@ Each request tracks how many of its tokens have KV computed; every step hands ou
 what is left of the budget is cut into chunks (chunked prefill), so prompt chunks and decodes share a step; a
 pooling model's request is never cut (a bidirectional encoder and CLS / mean pooling need all its tokens at once)
 and finishes in the step that computes it.
+With LoRA, the requests running at once use at most `max_loras` adapters; a request whose adapter would be
+one more waits, keeping its place, while later requests of the running adapters go ahead.
 When KV blocks run out, the least urgent running request is preempted: its blocks are freed and it is
 recomputed later from its tokens so far. With speculative decoding, a decoding request also computes its draft
 tokens in the step; the drafts the model confirms are kept and the KV slots of the rest are written over later.
@@ -137,10 +139,15 @@ class Scheduler:
                 budget -= num_new
 
         running_preempted = bool(preempted)  # blocks ran short for running requests: admit no one new
+        adapters = {r.lora_id for r in self.running if r.lora_id}
+        set_aside: list[Request] = []  # waiting for an adapter slot: they keep their place in the queue
         while self.waiting and budget > 0 and not running_preempted:
             request = self.waiting.peek()
             if self._waits_for_leader(request):
                 break
+            if request.lora_id and request.lora_id not in adapters and len(adapters) >= (self.config.max_loras or 0):
+                set_aside.append(self.waiting.pop())  # max_loras adapters are running: later ones may share them
+                continue
             if len(self.running) >= self.config.max_num_seqs:
                 victim = self._victim_for(request)
                 if victim is None:
@@ -166,8 +173,12 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora_id:
+                adapters.add(request.lora_id)
             scheduled[request.request_id] = ScheduledRequest(request, num_new, [])
             budget -= num_new
+        for request in set_aside:
+            self.waiting.push(request)
 
         for item in scheduled.values():
             item.block_ids = self.kv_cache.block_ids(item.request.request_id)

@@ -18,6 +18,7 @@ from heteroserve.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     MultimodalConfig,
     ParallelConfig,
@@ -143,6 +144,10 @@ class EngineArgs:
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (drafts looked up in the request\'s own tokens)',
         parse=_speculative_config,
     )
+    enable_lora: bool = _setting(False, "serve LoRA adapters on the base model (--lora-modules, LoRARequest)")
+    max_loras: int = _setting(1, "most adapters in one step (each holds a device slot; others wait their turn)")
+    max_lora_rank: int = _setting(16, "largest adapter rank accepted (the size of a slot)")
+    max_cpu_loras: int | None = _setting(None, "adapters kept read in host memory (default: --max-loras)")
     generation_config: str = _setting(
         "auto", "auto: apply the checkpoint's generation_config.json defaults", choices=["auto", "vllm"]
     )
@@ -291,6 +296,7 @@ class EngineArgs:
                 master_port=self.master_port,
             ),
             speculative=speculative,
+            lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None,
             reasoning_parser=self.reasoning_parser,
         )
 

@@ -15,6 +15,9 @@ from heteroserve.core.request import Request, RequestStatus
 from heteroserve.core.scheduler import Scheduler, SchedulerStats
 from heteroserve.engine.output_processor import OutputProcessor, ParentRequest
 from heteroserve.executor import make_executor
+from heteroserve.lora.peft_adapter import inspect_adapter
+from heteroserve.lora.request import LoRARequest
+from heteroserve.model.arch import ModelArch
 from heteroserve.multimodal.inputs import MultimodalInputs
 from heteroserve.multimodal.media import ImageError, MediaPolicy
 from heteroserve.multimodal.processor import ImageInputProcessor
@@ -76,6 +79,8 @@ class LLMEngine:
         self._pooling_prompts: dict[str, str | None] = {}  # queued pooling requests -> their prompt text
         self._truncating_tokenizer = None  # a copy of the tokenizer for truncating calls (see _tokenize)
         self._truncation_lock = threading.Lock()
+        self._lora_arch = ModelArch.from_hf_config(self.hf_config) if config.lora is not None else None
+        self._lora_adapters: dict[int, LoRARequest] = {}  # adapters checked against the model, by id
         tokens = info.num_blocks * config.cache.block_size
         parallel = config.parallel
         if pooling:
@@ -166,14 +171,20 @@ class LLMEngine:
         params: SamplingParams | PoolingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validates and queues a request; a bad request raises ValueError and leaves the others untouched.
 
         Every check, each n > 1 sample's included, runs before anything is queued, so a refused request leaves
-        no part of itself behind to run. A pooling model takes PoolingParams, a generating one SamplingParams."""
+        no part of itself behind to run. A pooling model takes PoolingParams, a generating one SamplingParams.
+        lora_request: the LoRA adapter to run under (checked against the model the first time its id is seen)."""
         if self.pooler_spec is not None or isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("LoRA adapters apply to text generation, not to pooling requests")
             self._add_pooling_request(request_id, prompt, params, priority, arrival_time)
             return
+        if lora_request is not None:
+            self.check_lora(lora_request)
         params = params or self.default_sampling_params()
         text, token_ids = self.tokenize_prompt(prompt)
         token_ids, multimodal = self._process_images(prompt, token_ids)
@@ -185,12 +196,14 @@ class LLMEngine:
         if not params.ignore_eos and self.extra_eos_token_ids:
             params = params.clone(stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
         arrival = arrival_time or time.time()
-        images = {"multimodal": multimodal, "image_placeholders": multimodal.placeholders} if multimodal else {}
+        extras: dict[str, object] = {"lora_request": lora_request}
+        if multimodal:
+            extras.update(multimodal=multimodal, image_placeholders=multimodal.placeholders)
         if params.n == 1:
-            requests = [Request(request_id, token_ids, params, self.eos_token_id, priority, arrival, **images)]
+            requests = [Request(request_id, token_ids, params, self.eos_token_id, priority, arrival, **extras)]
             parent = None
         else:
-            requests = self._samples(request_id, token_ids, params, priority, arrival, images)
+            requests = self._samples(request_id, token_ids, params, priority, arrival, extras)
             parent = ParentRequest(request_id, params.n)
         for i, request in enumerate(requests):
             self._add(request, text, i, parent)
@@ -198,6 +211,25 @@ class LLMEngine:
                 self._structured.add(request.request_id, grammar, reasoning_end)
         if parent is not None:
             self._children[request_id] = [r.request_id for r in requests]
+
+    def check_lora(self, lora: LoRARequest) -> None:
+        """Checks an adapter against the base model (its config, tensor names and shapes; no weights are read),
+        once per id: ValueError naming the problem. One id always names one adapter folder. Thread-safe."""
+        if self.config.lora is None:
+            raise ValueError(
+                f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is off: start with enable_lora=True "
+                "(--enable-lora)"
+            )
+        known = self._lora_adapters.get(lora.lora_int_id)
+        if known is not None:
+            if known.lora_path != lora.lora_path:
+                raise ValueError(
+                    f"lora_int_id {lora.lora_int_id} is adapter {known.lora_name!r} at {known.lora_path}; "
+                    f"{lora.lora_name!r} at {lora.lora_path} needs another id"
+                )
+            return
+        inspect_adapter(lora.lora_name, lora.lora_path, self._lora_arch, self.config.lora.max_lora_rank)
+        self._lora_adapters[lora.lora_int_id] = lora
 
     def pooling_prompt(self, prompt: PromptInput, params: PoolingParams) -> dict[str, object]:
         """A pooling request's prompt as token ids ("prompt", "prompt_token_ids" and, for text pairs,
@@ -275,7 +307,7 @@ class LLMEngine:
         params: SamplingParams,
         priority: int,
         arrival: float,
-        images: dict[str, object],
+        extras: dict[str, object],
     ) -> list[Request]:
         """The n engine requests of an n > 1 request: sample i uses seed + i, and the later ones wait for the
         first one's prompt blocks. All are built (and checked) before the caller queues any."""
@@ -289,7 +321,7 @@ class LLMEngine:
                 sample_params = params.clone(n=1, seed=seed)
             except ValueError as exc:
                 raise ValueError(f"n={params.n}: sample {i} (which uses seed + {i}) is invalid: {exc}") from exc
-            sample = Request(sample_id, token_ids, sample_params, self.eos_token_id, priority, arrival, **images)
+            sample = Request(sample_id, token_ids, sample_params, self.eos_token_id, priority, arrival, **extras)
             sample.prefix_leader = samples[0] if samples else None
             samples.append(sample)
         return samples

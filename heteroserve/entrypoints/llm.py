@@ -14,6 +14,7 @@ from tqdm import tqdm
 from heteroserve.config import EngineConfig
 from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.engine.llm_engine import LLMEngine, PromptInput
+from heteroserve.lora.request import LoRARequest
 from heteroserve.multimodal.chat import split_images
 from heteroserve.outputs import (
     ClassificationOutput,
@@ -70,8 +71,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion with continuous batching; outputs come back in prompt order."""
+        """Runs every prompt to completion with continuous batching; outputs come back in prompt order.
+        lora_request: one adapter for every prompt, or one per prompt (None: the base model), as vLLM takes it."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -80,6 +83,9 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        adapters = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"got {len(adapters)} LoRA requests for {len(prompts)} prompts")
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
@@ -89,6 +95,7 @@ class LLM:
                     prompt,
                     p.clone(output_kind=RequestOutputKind.FINAL_ONLY),
                     priority[i] if priority else 0,
+                    lora_request=adapters[i],
                 )
                 ids.append(request_id)
         except Exception:
@@ -107,6 +114,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates (image parts included).
 
@@ -134,7 +142,7 @@ class LLM:
             if images:
                 prompt["multi_modal_data"] = {"image": images}
             prompts.append(prompt)
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def encode(
         self,

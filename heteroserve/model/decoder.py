@@ -9,6 +9,7 @@ attention from its `AttentionBackend`, so a device changes kernels without touch
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ from heteroserve.model.sharding import ModelShard
 from heteroserve.platforms.attention import AttentionBackend
 from heteroserve.platforms.operators import DecodeLayerWeights, FusedDecodeLayer, OperatorTable
 from heteroserve.platforms.paged_attention import PagedAttentionBackend
+
+if TYPE_CHECKING:
+    from heteroserve.lora.batch import LoRABatch
 
 
 def _tensors_of(weight) -> list[torch.Tensor]:
@@ -62,9 +66,10 @@ def _weight(rows: int, cols: int) -> nn.Parameter:
 
 class Attention(nn.Module):
     def __init__(
-        self, arch: ModelArch, ops: OperatorTable, parallel: ParallelGroups, backend: AttentionBackend
+        self, arch: ModelArch, ops: OperatorTable, parallel: ParallelGroups, backend: AttentionBackend, index: int
     ) -> None:
         super().__init__()
+        self.index = index
         self.ops = ops
         self.backend = backend
         self.parallel = parallel
@@ -81,8 +86,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, ops) if arch.qk_norm else None
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
+    def forward(self, x, positions, rotary, kv_cache, meta, lora: LoRABatch | None) -> torch.Tensor:
         qkv = self.linear(x, self.qkv_proj, self.qkv_bias)
+        if lora is not None:
+            qkv = lora.add(qkv, x, self.index, "qkv")
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -90,21 +97,27 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.parallel.all_reduce(self.linear(out.flatten(1), self.o_proj))
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale).flatten(1)
+        y = self.linear(out, self.o_proj)
+        if lora is not None:
+            y = lora.add(y, out, self.index, "o")
+        return self.parallel.all_reduce(y)
 
 
 class DecoderLayer(nn.Module):
+    """index: the layer's place in the model (where LoRA adapters keep its matrices)."""
+
     def __init__(
-        self, arch: ModelArch, ops: OperatorTable, parallel: ParallelGroups, backend: AttentionBackend
+        self, arch: ModelArch, ops: OperatorTable, parallel: ParallelGroups, backend: AttentionBackend, index: int
     ) -> None:
         super().__init__()
+        self.index = index
         self.backend = backend
         self.ops = ops
         self.linear = ops.linear
         self.parallel = parallel
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.self_attn = Attention(arch, ops, parallel, backend)
+        self.self_attn = Attention(arch, ops, parallel, backend, index)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.gate_up_proj = _weight(2 * arch.intermediate_size, arch.hidden_size)
         self.down_proj = _weight(arch.hidden_size, arch.intermediate_size)
@@ -135,12 +148,20 @@ class DecoderLayer(nn.Module):
             )
         )
 
-    def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
-        if self.fused_decode is not None and self.backend.is_decode_only(meta):
+    def forward(self, x, positions, rotary, kv_cache, meta, lora: LoRABatch | None = None) -> torch.Tensor:
+        """lora: the step's adapter rows; a step with any runs the unfused layer, which adds their products."""
+        if self.fused_decode is not None and lora is None and self.backend.is_decode_only(meta):
             return self.fused_decode(x, positions, kv_cache[0], kv_cache[1], meta)
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        gate_up = self.linear(self.post_attention_layernorm(x), self.gate_up_proj)
-        return x + self.parallel.all_reduce(self.linear(self.ops.silu_and_mul(gate_up), self.down_proj))
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, lora)
+        h = self.post_attention_layernorm(x)
+        gate_up = self.linear(h, self.gate_up_proj)
+        if lora is not None:
+            gate_up = lora.add(gate_up, h, self.index, "gate_up")
+        act = self.ops.silu_and_mul(gate_up)
+        down = self.linear(act, self.down_proj)
+        if lora is not None:
+            down = lora.add(down, act, self.index, "down")
+        return x + self.parallel.all_reduce(down)
 
 
 class DecoderModel(nn.Module):
@@ -168,7 +189,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
         self.attn_backend = attn_backend or PagedAttentionBackend(ops)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, self.ops, self.parallel, self.attn_backend) for _ in range(arch.num_layers)
+            DecoderLayer(arch, self.ops, self.parallel, self.attn_backend, i) for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.ops)
         self.has_lm_head = lm_head
@@ -213,13 +234,14 @@ class DecoderModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: object,
         injected: tuple[torch.Tensor, torch.Tensor] | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """The final hidden states; a pipeline stage before the last sends its output on instead.
 
         positions: [T], or [3, T] for M-RoPE. meta: the attention backend's metadata for the step (its
         `build_metadata`). injected: (rows, features [n, 1 + k, hidden]) for image placeholder tokens:
         features[:, 0] replaces their token embeddings, features[:, i] (DeepStack, Qwen3-VL) is added to their
-        hidden states after decoder layer i - 1."""
+        hidden states after decoder layer i - 1. lora: the step's rows under LoRA adapters (LoRABatch)."""
         dtype = self.norm.weight.dtype
         if self.parallel.is_first_stage:
             x = self.embed(input_ids)
@@ -229,7 +251,7 @@ class DecoderModel(nn.Module):
             rows, features = injected
             x[rows] = features[:, 0].to(x.dtype)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
+            x = layer(x, positions, self.rotary, kv_cache, meta, lora)
             if injected is not None and i + 1 < features.shape[1]:
                 x[rows] += features[:, i + 1].to(x.dtype)
         if not self.parallel.is_last_stage:

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from heteroserve.config import CacheConfig
+from heteroserve.config import CacheConfig, LoRAConfig
 from heteroserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from heteroserve.lora.manager import LoRAManager
 from heteroserve.model.layers.pooler import Pooler
 from heteroserve.model.layers.sampler import Sampler, SamplingRow, logprobs_of
 from heteroserve.model.loader import LoadedModel
@@ -52,7 +53,14 @@ def pool_step(pooler: Pooler, items: list[ScheduledRequest], hidden: torch.Tenso
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, platform: Platform, cache_config: CacheConfig, seed: int) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        platform: Platform,
+        cache_config: CacheConfig,
+        seed: int,
+        lora_config: LoRAConfig | None = None,
+    ) -> None:
         self.model = loaded.model
         self.arch = loaded.model.arch
         self.platform = platform
@@ -84,6 +92,7 @@ class ModelRunner:
         self.sampler = Sampler(self.model.ops.argmax_rows)
         self.pooler = loaded.pooler  # a decoder serving embeddings: pooled hidden states instead of tokens
         self.images = ImageInputs(loaded.vision, self.device) if loaded.vision is not None else None
+        self.lora = LoRAManager(lora_config, self.arch, self.dtype, self.device) if lora_config is not None else None
         self._seeds = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -120,7 +129,10 @@ class ModelRunner:
         else:
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         kv = [(layer[0], layer[1]) for layer in self.kv_cache]
-        hidden = self.model(ids, pos, kv, meta, injected)
+        lora = None
+        if self.lora is not None:
+            lora = self.lora.batch_for([(item.request.lora_request, item.num_new_tokens) for item in items])
+        hidden = self.model(ids, pos, kv, meta, injected, lora)
         if not self.model.parallel.is_last_stage:  # the next pipeline stage carries on
             return {}
         if self.pooler is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from heteroserve.core.request import Request
 from heteroserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from heteroserve.lora.request import LoRARequest
 from heteroserve.pooling_params import PoolingParams
 from heteroserve.sampling_params import SamplingParams
 
@@ -32,6 +33,7 @@ class ScheduledDelta:
     pooling_params: PoolingParams | None = None  # the first time only
     token_type_ids: list[int] | None = None  # the first time only
     multimodal: object | None = None  # the first time only: a vision-language prompt's images (one rank only)
+    lora_request: LoRARequest | None = None  # the first time only
 
 
 @dataclass
@@ -70,6 +72,7 @@ class StepEncoder:
                 request.pooling_params if first else None,
                 request.token_type_ids if first else None,
                 request.multimodal if first else None,
+                request.lora_request if first else None,
             )
             self._sent[request.request_id] = request.num_tokens
             deltas.append(delta)
@@ -98,6 +101,7 @@ class StepDecoder:
                     pooling_params=delta.pooling_params,
                     token_type_ids=delta.token_type_ids,
                     multimodal=delta.multimodal,
+                    lora_request=delta.lora_request,
                 )
                 self._requests[delta.request_id] = request
             request = self._requests[delta.request_id]

@@ -72,7 +72,7 @@ class Worker:
             self.runner = EncoderRunner(loaded, self.platform, config.cache, config.scheduler)
             vocab_size = loaded.model.arch.vocab_size
         else:
-            self.runner = ModelRunner(loaded, self.platform, config.cache, config.model.seed)
+            self.runner = ModelRunner(loaded, self.platform, config.cache, config.model.seed, config.lora)
             vocab_size = loaded.model.shard.full_arch.vocab_size
         num_blocks, weight_bytes = self._agree(self.runner.num_blocks, loaded.model.weight_bytes())
         self.info = ModelInfo(

@@ -1,0 +1,60 @@
+"""A rank's adapters: read from their folders on first use, kept in host memory (up to max_cpu_loras, least
+recently used dropped first) and swapped into the device's `max_loras` slots as steps need them."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from heteroserve.config import LoRAConfig
+from heteroserve.lora.batch import LoRABatch
+from heteroserve.lora.peft_adapter import AdapterWeights, load_adapter
+from heteroserve.lora.request import LoRARequest
+from heteroserve.lora.slots import LoRASlots
+from heteroserve.model.arch import ModelArch
+
+
+class LoRAManager:
+    def __init__(self, config: LoRAConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> None:
+        self.config = config
+        self.arch = arch
+        self.dtype = dtype
+        self.device = device
+        self.slots = LoRASlots(arch, config.max_loras, config.max_lora_rank, dtype, device)
+        self._host: OrderedDict[int, AdapterWeights] = OrderedDict()
+        self.num_loads = 0  # adapters read from disk
+        self.num_swaps = 0  # adapters written into a device slot
+
+    def batch_for(self, segments: list[tuple[LoRARequest | None, int]]) -> LoRABatch | None:
+        """The step's LoRA rows, given each scheduled request's adapter and row count in row order; None when no
+        row runs under an adapter (the base model's step is untouched)."""
+        wanted = {lora.lora_int_id for lora, _ in segments if lora is not None}
+        if not wanted:
+            return None
+        rows_by_slot: dict[int, list[int]] = {}
+        offset = 0
+        for lora, count in segments:
+            if lora is not None:
+                slot = self._slot_of(lora, wanted)
+                rows_by_slot.setdefault(slot, []).extend(range(offset, offset + count))
+            offset += count
+        return LoRABatch(self.slots, rows_by_slot, self.dtype, self.device)
+
+    def _slot_of(self, lora: LoRARequest, keep: set[int]) -> int:
+        slot = self.slots.lookup(lora.lora_int_id)
+        if slot is None:
+            slot = self.slots.place(lora.lora_int_id, self._weights(lora), keep)
+            self.num_swaps += 1
+        return slot
+
+    def _weights(self, lora: LoRARequest) -> AdapterWeights:
+        weights = self._host.get(lora.lora_int_id)
+        if weights is None:
+            weights = load_adapter(lora.lora_name, lora.lora_path, self.arch, self.config.max_lora_rank, self.dtype)
+            self.num_loads += 1
+            self._host[lora.lora_int_id] = weights
+            while len(self._host) > self.config.host_capacity:
+                self._host.popitem(last=False)
+        self._host.move_to_end(lora.lora_int_id)
+        return weights
