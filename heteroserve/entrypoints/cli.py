@@ -11,6 +11,7 @@ from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.entrypoints.chat_client import add_chat_args, run_chat
 from heteroserve.entrypoints.gateway import add_gateway_args
 from heteroserve.entrypoints.openai.api_server import add_server_args
+from heteroserve.export.command import add_export_parser
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         "--output", help="where --prebuilt writes ($HETEROSERVE_PREBUILT_KERNELS or share/heteroserve)"
     )
     kernels.set_defaults(handler=_build_kernels)
+    add_export_parser(commands)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "chat" and args.max_model_len is None:

@@ -1,0 +1,61 @@
+"""`heteroserve export onnx MODEL --out DIR`: the export's command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from heteroserve.export.kv_layout import KV_LAYOUTS
+from heteroserve.export.options import DTYPES, ExportOptions, parse_static
+
+
+def add_export_parser(commands: argparse._SubParsersAction) -> None:
+    export = commands.add_parser("export", help="export a model for other runtimes and graph compilers")
+    formats = export.add_subparsers(dest="format", required=True)
+    onnx = formats.add_parser(
+        "onnx",
+        help="a prefill and a decode ONNX graph with the KV cache as inputs and outputs, and config.json",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    onnx.add_argument("model", nargs="?", help="checkpoint folder, GGUF file or cached Hugging Face id (default model)")
+    onnx.add_argument("--out", required=True, type=Path, help="the folder to write the graphs and config.json to")
+    onnx.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights, activations and KV cache")
+    onnx.add_argument("--kv-layout", default="paged", choices=list(KV_LAYOUTS), help="the cache's layout")
+    onnx.add_argument("--static", help="fixed sizes for compilers that need them, e.g. batch=8,seq=512,blocks=256")
+    onnx.add_argument("--block-size", type=int, default=16, help="tokens per KV block (paged layout)")
+    onnx.add_argument("--max-model-len", type=int, help="longest sequence (default: the model's context length)")
+    onnx.add_argument("--opset", type=int, default=18, help="ONNX opset of the graphs")
+    onnx.set_defaults(handler=run_export)
+
+
+def options_from_args(args: argparse.Namespace) -> ExportOptions:
+    return ExportOptions(
+        out=args.out,
+        dtype=args.dtype,
+        kv_layout=args.kv_layout,
+        static=parse_static(args.static),
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        opset=args.opset,
+    )
+
+
+def run_export(args: argparse.Namespace) -> None:
+    from heteroserve.config import ModelConfig
+    from heteroserve.export.onnx_export import export_onnx
+    from heteroserve.model.loader import load_model
+    from heteroserve.platforms import resolve_platform
+
+    try:
+        options = options_from_args(args)
+        config = ModelConfig(model=args.model, dtype="float32", max_model_len=args.max_model_len)
+        loaded = load_model(config, resolve_platform("cpu"), kernels="reference")
+        result = export_onnx(loaded, options)
+    except (ValueError, FileNotFoundError) as exc:
+        sys.exit(f"heteroserve export onnx: {exc}")
+    if result.dequantized:
+        print(f"weights: {', '.join(result.dequantized)} dequantised to {options.dtype} (ONNX has no such format)")
+    for graph in result.config["graphs"].values():
+        print(f"wrote {options.out / graph['file']}")
+    print(f"wrote {options.out / 'config.json'}")

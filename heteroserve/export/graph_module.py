@@ -1,0 +1,140 @@
+"""The decoder restated as one traceable torch module with the KV cache as explicit inputs and outputs.
+
+The engine's `DecoderModel` calls its platform's operators and writes its cache in place; a graph compiler needs
+pure functions of tensors instead. This module takes the loaded model's weights (compressed ones dequantised)
+and computes a step in plain torch, in the reference operators' order (heteroserve/platforms/reference_ops.py),
+returning the logits of every input row and each layer's updated cache.
+
+Inputs ([B] sequences, [S] rows each):
+  input_ids, positions [B, S] int64; seq_lens [B] int64 (each sequence's cached tokens after this step);
+  per layer its key and value caches; then, in the paged layout, slot_mapping [B, S] int64 (-1: a padding row)
+  and block_tables [B, max_blocks] int64 (in the contiguous layout a padding row has position -1).
+Outputs: logits [B, S, vocab] float32, then per layer the updated key and value caches.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from heteroserve.export.kv_layout import ContiguousKV, PagedKV
+from heteroserve.model.decoder import DecoderModel
+
+
+def dense_weight(weight: torch.Tensor | object, dtype: torch.dtype) -> torch.Tensor:
+    """A projection or embedding as a dense tensor in `dtype` (a compressed weight is dequantised)."""
+    if isinstance(weight, torch.Tensor):
+        return weight.detach().to(dtype)
+    return weight.dequantize(torch.float32).to(dtype)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class GraphLayer(nn.Module):
+    """One decoder layer's weights as buffers, so the exporter stores them as the graph's initializers."""
+
+    def __init__(self, layer, dtype: torch.dtype) -> None:
+        super().__init__()
+        attn = layer.self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.scale = attn.scale
+        self.eps = layer.input_layernorm.eps
+        self.register_buffer("input_norm", layer.input_layernorm.weight.detach().to(dtype))
+        self.register_buffer("post_norm", layer.post_attention_layernorm.weight.detach().to(dtype))
+        self.register_buffer("qkv", dense_weight(attn.qkv_proj, dtype))
+        self.register_buffer("qkv_bias", None if attn.qkv_bias is None else attn.qkv_bias.detach().to(dtype))
+        self.register_buffer("o_proj", dense_weight(attn.o_proj, dtype))
+        self.register_buffer("gate_up", dense_weight(layer.gate_up_proj, dtype))
+        self.register_buffer("down", dense_weight(layer.down_proj, dtype))
+        self.register_buffer("q_norm", None if attn.q_norm is None else attn.q_norm.weight.detach().to(dtype))
+        self.register_buffer("k_norm", None if attn.k_norm is None else attn.k_norm.weight.detach().to(dtype))
+
+    def forward(self, x, cos, sin, mask, k_cache, v_cache, slots, block_tables, layout):
+        b, s, _ = x.shape
+        qkv = nn.functional.linear(_rms_norm(x, self.input_norm, self.eps), self.qkv, self.qkv_bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(b, s, self.num_heads, self.head_dim)
+        k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = _rms_norm(q, self.q_norm, self.eps), _rms_norm(k, self.k_norm, self.eps)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        k_cache = layout.write(k_cache, k, slots)
+        v_cache = layout.write(v_cache, v, slots)
+        keys = layout.read(k_cache, block_tables).to(x.dtype)  # [B, L, Hkv, D]
+        values = layout.read(v_cache, block_tables).to(x.dtype)
+        group = self.num_heads // self.num_kv_heads  # query head h reads kv head h // group
+        q = q.reshape(b, s, self.num_kv_heads, group, self.head_dim).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, S, D]
+        keys, values = keys.permute(0, 2, 1, 3)[:, :, None], values.permute(0, 2, 1, 3)[:, :, None]
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale  # [B, Hkv, G, S, L]
+        scores = torch.where(mask, scores, torch.finfo(scores.dtype).min)
+        out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, Hkv, G, S, D]
+        out = out.permute(0, 3, 1, 2, 4).reshape(b, s, q_size)
+        x = x + nn.functional.linear(out, self.o_proj)
+        gate, up = nn.functional.linear(_rms_norm(x, self.post_norm, self.eps), self.gate_up).chunk(2, dim=-1)
+        x = x + nn.functional.linear(nn.functional.silu(gate) * up, self.down)
+        return x, k_cache, v_cache
+
+
+class GraphDecoder(nn.Module):
+    """A text decoder (the language model of a vision-language one) with its cache passed in and returned."""
+
+    def __init__(self, model: DecoderModel, dtype: torch.dtype, layout: PagedKV | ContiguousKV) -> None:
+        super().__init__()
+        if getattr(model.shard, "groups", None) is not None and model.parallel.world_size > 1:
+            raise ValueError("export takes the whole model on one rank, not a tensor / pipeline parallel share")
+        self.layout = layout
+        self.sliding_window = model.arch.sliding_window
+        self.num_layers = model.arch.num_layers
+        self.register_buffer("embed", dense_weight(model.embed_tokens, dtype))
+        # A tied head reads the embedding itself, so the graph stores that matrix once.
+        self.register_buffer("lm_head", None if model.lm_head is None else dense_weight(model.lm_head, dtype))
+        self.register_buffer("final_norm", model.norm.weight.detach().to(dtype))
+        self.eps = model.norm.eps
+        self.register_buffer("cos", model.rotary.cos.detach().clone())
+        self.register_buffer("sin", model.rotary.sin.detach().clone())
+        self.layers = nn.ModuleList(GraphLayer(layer, dtype) for layer in model.layers)
+
+    def _mask(self, positions: torch.Tensor, seq_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
+        """[B, 1, 1, S, L], True where a row attends a key: cached, causal, within the sliding window."""
+        keys = torch.arange(num_keys, device=positions.device)[None, None, :]
+        queries = positions[:, :, None]
+        mask = (keys <= queries) & (keys < seq_lens[:, None, None])
+        if self.sliding_window is not None:
+            mask = mask & (keys > queries - self.sliding_window)
+        return mask[:, None, None]
+
+    def forward(self, input_ids, positions, seq_lens, kv_caches, slot_mapping=None, block_tables=None):
+        dtype = self.final_norm.dtype
+        x = self.embed[input_ids]
+        rows = positions.clamp(min=0)
+        cos = self.cos[rows].to(dtype)[:, :, None]  # [B, S, 1, D]
+        sin = self.sin[rows].to(dtype)[:, :, None]
+        first = kv_caches[0]
+        if isinstance(self.layout, PagedKV):
+            num_keys = block_tables.shape[1] * first.shape[1]
+        else:
+            num_keys = first.shape[1]
+            sequences = torch.arange(input_ids.shape[0], device=input_ids.device)[:, None]
+            slot_mapping = torch.where(positions >= 0, sequences * num_keys + positions, -1)
+        mask = self._mask(positions, seq_lens, num_keys)
+        updated = []
+        for i, layer in enumerate(self.layers):
+            x, k_cache, v_cache = layer(
+                x, cos, sin, mask, kv_caches[2 * i], kv_caches[2 * i + 1], slot_mapping, block_tables, self.layout
+            )
+            updated += [k_cache, v_cache]
+        head = self.embed if self.lm_head is None else self.lm_head
+        logits = nn.functional.linear(_rms_norm(x, self.final_norm, self.eps), head).float()
+        return logits, *updated

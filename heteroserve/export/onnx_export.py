@@ -1,0 +1,151 @@
+"""Traces a loaded decoder into a prefill and a decode ONNX graph, checks them and writes config.json beside them.
+
+torch.onnx's dynamo exporter traces `GraphDecoder` (torch.export), translates it with onnxscript's torchlib and
+simplifies the result with onnxscript's optimizer (constant folding, dead code); `onnx.checker` then checks every
+graph in full (shape inference included). Compressed weights are stored dequantised, and config.json says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import torch
+
+from heteroserve.export.graph_inputs import example_inputs, graph_shapes, input_names, output_names
+from heteroserve.export.graph_module import GraphDecoder
+from heteroserve.export.kv_layout import kv_layout
+from heteroserve.export.options import ExportOptions
+from heteroserve.model.decoder import DecoderModel
+from heteroserve.model.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FORMAT = "heteroserve-onnx/1"
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    config: dict
+    dequantized: list[str]  # the compressed weight formats that were stored as dense weights (empty: none)
+
+
+def compressed_formats(model: DecoderModel) -> list[str]:
+    """The compressed weight types in the model (GGML blocks, int4, int8 ...), by class name."""
+    found = {
+        type(value).__name__
+        for module in model.modules()
+        for value in vars(module).values()
+        if hasattr(value, "dequantize") and not isinstance(value, torch.Tensor)
+    }
+    if not isinstance(model.embed_tokens, torch.Tensor):
+        found.add(type(model.embed_tokens).__name__)
+    return sorted(found)
+
+
+def _tensor_spec(value: onnx.ValueInfoProto) -> dict:
+    kind = value.type.tensor_type
+    shape = [d.dim_param if d.dim_param else d.dim_value for d in kind.shape.dim]
+    return {"name": value.name, "shape": shape, "dtype": onnx.helper.tensor_dtype_to_np_dtype(kind.elem_type).name}
+
+
+def _graph_spec(path: Path) -> dict:
+    proto = onnx.load(str(path), load_external_data=False)
+    return {
+        "file": path.name,
+        "inputs": [_tensor_spec(v) for v in proto.graph.input],
+        "outputs": [_tensor_spec(v) for v in proto.graph.output],
+    }
+
+
+def _trace(module: GraphDecoder, loaded: LoadedModel, options: ExportOptions, decode: bool, path: Path) -> None:
+    arch = loaded.model.arch
+    max_len = options.max_model_len or loaded.max_model_len
+    shapes = graph_shapes(options.static, decode, max_len, options.block_size)
+    args, dynamic = example_inputs(arch, options.kv_layout, shapes, options.block_size, options.torch_dtype)
+    logger.info("tracing the %s graph into %s", "decode" if decode else "prefill", path)
+    torch.onnx.export(
+        module,
+        args,
+        str(path),
+        dynamo=True,
+        input_names=input_names(arch, options.kv_layout),
+        output_names=output_names(arch),
+        dynamic_shapes=dynamic,
+        opset_version=options.opset,
+        optimize=True,
+        external_data=True,
+    )
+
+
+def derive_decode(prefill: Path, decode: Path) -> None:
+    """The decode graph as the dynamic prefill graph with one row per sequence: the same nodes and the same weights
+    file (tracing a 30-layer model twice costs minutes; reading its weights twice, gigabytes)."""
+    proto = onnx.load(str(prefill), load_external_data=False)
+    del proto.graph.value_info[:]  # intermediate shapes mention the seq axis; the checker infers them again
+    for value in [*proto.graph.input, *proto.graph.output]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param == "seq":
+                dim.Clear()
+                dim.dim_value = 1
+    onnx.save(proto, str(decode))
+
+
+def export_onnx(loaded: LoadedModel, options: ExportOptions) -> ExportResult:
+    """Writes prefill.onnx, decode.onnx (each with its weights in a .data file), config.json and the tokenizer."""
+    model = loaded.model
+    if not isinstance(model, DecoderModel) or not model.has_lm_head:
+        raise ValueError("export onnx: only decoder models that generate text can be exported (not pooling models)")
+    max_len = options.max_model_len or loaded.max_model_len
+    if options.static.get("seq", 0) > max_len:
+        raise ValueError(f"--static seq={options.static['seq']} exceeds --max-model-len {max_len}")
+    if max_len > model.rotary.cos.shape[0]:
+        raise ValueError(f"--max-model-len {max_len} exceeds the model's {model.rotary.cos.shape[0]} rotary positions")
+    options.out.mkdir(parents=True, exist_ok=True)
+    dequantized = compressed_formats(model)
+    module = GraphDecoder(model, options.torch_dtype, kv_layout(options.kv_layout)).eval()
+    prefill, decode = options.out / "prefill.onnx", options.out / "decode.onnx"
+    with torch.no_grad():
+        _trace(module, loaded, options, decode=False, path=prefill)
+        if options.static:  # a static prefill graph may hold its row count as constants: trace one row
+            _trace(module, loaded, options, decode=True, path=decode)
+        else:
+            derive_decode(prefill, decode)
+    for path in (prefill, decode):
+        onnx.checker.check_model(str(path), full_check=True)
+    graphs = {"prefill": _graph_spec(prefill), "decode": _graph_spec(decode)}
+    tokenizer = None
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save_pretrained(options.out / "tokenizer")
+        tokenizer = "tokenizer"
+    arch = model.arch
+    config = {
+        "format": CONFIG_FORMAT,
+        "model": loaded.source.name,
+        "model_type": arch.model_type,
+        "dtype": options.dtype,
+        "kv_layout": options.kv_layout,
+        "block_size": options.block_size if options.kv_layout == "paged" else None,
+        "max_model_len": max_len,
+        "static": options.static,
+        "num_layers": arch.num_layers,
+        "num_kv_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim,
+        "vocab_size": arch.vocab_size,
+        "sliding_window": arch.sliding_window,
+        "opset": options.opset,
+        "weights": {
+            "dtype": options.dtype,
+            "dequantized_from": dequantized,
+            "note": "compressed weights are stored dequantised" if dequantized else "float weights as loaded",
+        },
+        "tokenizer": tokenizer,
+        "eos_token_id": loaded.eos_token_id,
+        "padding": "rows with slot_mapping -1 (paged) or position -1 (contiguous) write nothing and are ignored",
+        "graphs": graphs,
+    }
+    (options.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return ExportResult(config, dequantized)

@@ -1,0 +1,61 @@
+"""What an export asks for, validated once: layout, dtype, static shapes, opset, where to write."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from heteroserve.export.kv_layout import KV_LAYOUTS
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# --static keys: the batch of both graphs, the prefill graph's rows per sequence, the paged cache's blocks.
+STATIC_KEYS = ("batch", "seq", "blocks")
+
+
+def parse_static(text: str | None) -> dict[str, int]:
+    """`batch=8,seq=512` -> {"batch": 8, "seq": 512}; errors name --static and the bad part."""
+    if not text:
+        return {}
+    shapes: dict[str, int] = {}
+    for part in text.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep or key not in STATIC_KEYS:
+            raise ValueError(f"--static: {part!r} is not KEY=SIZE with KEY one of {', '.join(STATIC_KEYS)}")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--static: {key} must be a positive integer, got {value!r}")
+        shapes[key] = int(value)
+    return shapes
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    out: Path
+    dtype: str = "float32"
+    kv_layout: str = "paged"
+    static: dict[str, int] = field(default_factory=dict)  # fixed sizes; the other axes stay dynamic
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's own context length
+    opset: int = 18
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        unknown = set(self.static) - set(STATIC_KEYS)
+        if unknown:
+            raise ValueError(f"--static: unknown keys {', '.join(sorted(unknown))} (known: {', '.join(STATIC_KEYS)})")
+        if "blocks" in self.static and self.kv_layout != "paged":
+            raise ValueError("--static blocks=N sizes the paged cache; --kv-layout contiguous has no blocks")
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if not 18 <= self.opset <= 23:
+            raise ValueError(f"--opset must be between 18 and 23 (the dynamo exporter's range), got {self.opset}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,109 @@
+"""Exported ONNX graphs run by onnxruntime against our engine and transformers.
+
+Every architecture's tiny random model (tests/model/tiny_models.py) is exported; onnxruntime prefills two prompts
+of different lengths in one padded call and decodes 16 more tokens, the paged cache laid out by our block
+manager. Its log-probabilities must equal the engine's (reference operators, float32) within LOGPROB_TOL at every
+prompt row and every decode step, its greedy tokens the engine's and transformers'.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from heteroserve.config import ModelConfig
+from heteroserve.export.onnx_export import export_onnx
+from heteroserve.export.onnx_runner import OnnxDecoder
+from heteroserve.export.options import ExportOptions
+from heteroserve.model.loader import load_model
+from heteroserve.platforms import resolve_platform
+from tests.export.onnx_steps import OnnxRun, generate
+from tests.model.tiny_models import SPECS, greedy_params, prompts, run, save_tiny
+
+NEW_TOKENS = 17  # the prefill's token, then 16 decode steps
+LOGPROB_TOL = 1e-4  # float32: max |log-probability difference| from the engine
+BLOCK_SIZE = 4  # small blocks: every sequence spans several, interleaved with the other's
+PROMPT_LENGTHS = [11, 6]  # longer than mistral's 8-token window
+
+
+def export_tiny(folder, out, **options) -> OnnxDecoder:
+    loaded = load_model(
+        ModelConfig(model=str(folder), dtype="float32", max_model_len=64), resolve_platform("cpu"), "reference"
+    )
+    export_onnx(loaded, ExportOptions(out=out, block_size=BLOCK_SIZE, **options))
+    return OnnxDecoder(out, threads=1)
+
+
+def _dense(entry: dict, vocab: int) -> torch.Tensor:
+    assert len(entry) == vocab, f"expected logprobs of all {vocab} tokens, got {len(entry)}"
+    return torch.tensor([entry[t].logprob for t in range(vocab)], dtype=torch.float32)
+
+
+def compare_with_engine(label: str, onnx_run: OnnxRun, tiny, comparison) -> tuple[float, float]:
+    """Asserts onnxruntime's run equals the engine's and transformers'; returns (max |logprob diff|, min top-2
+    margin) over every compared row. The margin is reported, not asserted: the logprobs are compared at every row,
+    so a near-tie hides no error, and a token divergence at one fails the token check all the same."""
+    vocab = tiny.vocab_size
+    llm = tiny.llm(kernels="reference", block_size=BLOCK_SIZE)
+    outputs = run(llm, onnx_run.prompts, greedy_params(vocab, max_tokens=NEW_TOKENS))
+    margin = min(onnx_run.margins())
+    error = 0.0
+    for i, (prompt, output) in enumerate(zip(onnx_run.prompts, outputs, strict=True)):
+        completion = output.outputs[0]
+        assert onnx_run.tokens[i] == list(completion.token_ids), (
+            f"{label} sequence {i}: onnxruntime {onnx_run.tokens[i]} != engine {list(completion.token_ids)} "
+            f"(smallest top-2 margin {margin:.3f})"
+        )
+        engine = [_dense(output.prompt_logprobs[j], vocab) for j in range(1, len(prompt))]
+        engine += [_dense(entry, vocab) for entry in completion.logprobs]
+        ours = torch.cat((onnx_run.prompt_logits[i][:-1], torch.stack(onnx_run.step_logits[i])))
+        error = max(error, float((torch.log_softmax(ours, -1) - torch.stack(engine)).abs().max()))
+        comparison.check(f"onnx {label} sequence {i}", onnx_run.tokens[i], tiny.reference.greedy(prompt, NEW_TOKENS))
+    print(f"{label}: max |logprob diff| {error:.2e}, smallest top-2 logit margin {margin:.2e}")
+    assert error <= LOGPROB_TOL, f"{label}: onnxruntime's logprobs differ from the engine's by {error:.3e}"
+    return error, margin
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: save_tiny(name, root) for name in SPECS}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_paged_export_matches_engine(name, tiny_models, tmp_path, greedy_comparison):
+    tiny = tiny_models[name]
+    decoder = export_tiny(tiny.folder, tmp_path / "onnx")
+    onnx_run = generate(decoder, prompts(7, PROMPT_LENGTHS), NEW_TOKENS)
+    compare_with_engine(f"{name} paged", onnx_run, tiny, greedy_comparison)
+    config = json.loads((tmp_path / "onnx" / "config.json").read_text())
+    assert config["kv_layout"] == "paged" and config["weights"]["dequantized_from"] == []
+    names = [spec["name"] for spec in config["graphs"]["decode"]["inputs"]]
+    assert names[:4] == ["input_ids", "positions", "seq_lens", "past_key.0"]
+    assert names[-2:] == ["slot_mapping", "block_tables"]
+
+
+def test_contiguous_export_matches_engine(tiny_models, tmp_path, greedy_comparison):
+    tiny = tiny_models["mistral"]
+    decoder = export_tiny(tiny.folder, tmp_path / "onnx", kv_layout="contiguous")
+    compare_with_engine(
+        "mistral contiguous", generate(decoder, prompts(8, PROMPT_LENGTHS), NEW_TOKENS), tiny, greedy_comparison
+    )
+
+
+def test_static_export_pads_and_rejects_long_inputs(tiny_models, tmp_path, greedy_comparison):
+    tiny = tiny_models["qwen2"]
+    decoder = export_tiny(tiny.folder, tmp_path / "onnx", static={"batch": 3, "seq": 12, "blocks": 64})
+    config = decoder.config
+    prefill = {spec["name"]: spec["shape"] for spec in config["graphs"]["prefill"]["inputs"]}
+    assert prefill["input_ids"] == [3, 12] and prefill["past_key.0"] == [64, BLOCK_SIZE, 2, 16]
+    assert prefill["block_tables"] == [3, 64 // BLOCK_SIZE]
+    compare_with_engine(
+        "qwen2 static", generate(decoder, prompts(9, PROMPT_LENGTHS), NEW_TOKENS), tiny, greedy_comparison
+    )
+    with pytest.raises(ValueError, match=r"13 tokens exceed the prefill graph's static seq=12"):
+        generate(decoder, prompts(9, [13]), 2)
+    with pytest.raises(ValueError, match=r"4 sequences exceed the graph's static batch=3"):
+        generate(decoder, prompts(9, [2, 2, 2, 2]), 2)
