@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def run_export(args: argparse.Namespace) -> None:
     from heteroserve.model.loader import load_model
     from heteroserve.platforms import resolve_platform
 
+    logging.getLogger("onnxscript").setLevel(logging.WARNING)  # the optimizer logs every rule it tries at INFO
     try:
         options = options_from_args(args)
         config = ModelConfig(model=args.model, dtype="float32", max_model_len=args.max_model_len)

@@ -9,6 +9,7 @@ prompt row and every decode step, its greedy tokens the engine's and transformer
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,7 +21,8 @@ from heteroserve.export.options import ExportOptions
 from heteroserve.model.loader import load_model
 from heteroserve.platforms import resolve_platform
 from tests.export.onnx_steps import OnnxRun, generate
-from tests.model.tiny_models import SPECS, greedy_params, prompts, run, save_tiny
+from tests.model.tiny_models import SPECS, VOCAB, greedy_params, prompts, run, save_tiny
+from tests.model.tiny_vl import TinyVL, save_tiny_vl
 
 NEW_TOKENS = 17  # the prefill's token, then 16 decode steps
 LOGPROB_TOL = 1e-4  # float32: max |log-probability difference| from the engine
@@ -107,3 +109,31 @@ def test_static_export_pads_and_rejects_long_inputs(tiny_models, tmp_path, greed
         generate(decoder, prompts(9, [13]), 2)
     with pytest.raises(ValueError, match=r"4 sequences exceed the graph's static batch=3"):
         generate(decoder, prompts(9, [2, 2, 2, 2]), 2)
+
+
+@dataclass
+class TextOfVL:
+    """A tiny Qwen2-VL seen as its language model: text prompts only, compared as the text models are."""
+
+    vl: TinyVL
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vl.model.config.get_text_config().vocab_size
+
+    @property
+    def reference(self):
+        return self.vl.reference([])
+
+    def llm(self, **kwargs):
+        return self.vl.llm(max_model_len=64, num_kv_blocks=64, **kwargs)
+
+
+def test_vision_language_model_exports_its_language_model(tmp_path, greedy_comparison):
+    vl = save_tiny_vl("qwen2_vl", tmp_path)
+    specials = set(vl.tokenizer.all_special_ids)
+    text_prompts = [[t for t in p if t not in specials] for p in prompts(10, [12, 7], vocab=VOCAB)]
+    decoder = export_tiny(vl.folder, tmp_path / "onnx")
+    onnx_run = generate(decoder, text_prompts, NEW_TOKENS)
+    compare_with_engine("qwen2_vl text paged", onnx_run, TextOfVL(vl), greedy_comparison)
+    assert decoder.config["model_type"] == "qwen2_vl" and decoder.config["tokenizer"] == "tokenizer"

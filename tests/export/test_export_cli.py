@@ -1,0 +1,49 @@
+"""`heteroserve export onnx`'s options: each bad value is refused with the option's name, before any export."""
+
+from __future__ import annotations
+
+import pytest
+
+from heteroserve.entrypoints.cli import main
+
+
+def _error(capsys, *argv: str) -> str:
+    """The message the command exits with (argparse's usage error or the export's own)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", "onnx", *argv])
+    code = exit_info.value.code
+    return code if isinstance(code, str) else capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["--kv-layout", "ring"], "--kv-layout"),
+        (["--dtype", "int3"], "--dtype"),
+        (["--static", "batch=0"], "--static"),
+        (["--static", "width=3"], "--static"),
+        (["--static", "seq"], "--static"),
+        (["--static", "blocks=4", "--kv-layout", "contiguous"], "--static blocks"),
+        (["--block-size", "0"], "--block-size"),
+        (["--max-model-len", "0"], "--max-model-len"),
+        (["--opset", "7"], "--opset"),
+    ],
+)
+def test_bad_option_is_named(argv, option, capsys, tmp_path):
+    message = _error(capsys, "--out", str(tmp_path / "out"), *argv)
+    assert option in message, message
+    assert not (tmp_path / "out").exists()
+
+
+def test_out_is_required(capsys):
+    assert "--out" in _error(capsys)
+
+
+def test_static_seq_longer_than_the_context_is_refused(capsys, tmp_path):
+    from tests.model.tiny_models import save_tiny
+
+    tiny = save_tiny("llama_tied", tmp_path)
+    message = _error(
+        capsys, str(tiny.folder), "--out", str(tmp_path / "out"), "--static", "seq=100", "--max-model-len", "64"
+    )
+    assert "--static seq=100 exceeds --max-model-len 64" in message
