@@ -97,8 +97,9 @@ class GraphDecoder(nn.Module):
         self.layout = layout
         self.sliding_window = model.arch.sliding_window
         self.num_layers = model.arch.num_layers
-        self.register_buffer("embed", dense_weight(model.embed_tokens, dtype))
-        # A tied head reads the embedding itself, so the graph stores that matrix once.
+        # Stored [hidden, vocab]: the head's product reads it as it is, the lookup takes columns, so a tied
+        # embedding is one initializer (the exporter folds any transpose of a weight into a second copy).
+        self.register_buffer("embed_t", dense_weight(model.embed_tokens, dtype).t().contiguous())
         self.register_buffer("lm_head", None if model.lm_head is None else dense_weight(model.lm_head, dtype))
         self.register_buffer("final_norm", model.norm.weight.detach().to(dtype))
         self.eps = model.norm.eps
@@ -117,7 +118,7 @@ class GraphDecoder(nn.Module):
 
     def forward(self, input_ids, positions, seq_lens, kv_caches, slot_mapping=None, block_tables=None):
         dtype = self.final_norm.dtype
-        x = self.embed[input_ids]
+        x = self.embed_t.index_select(1, input_ids.reshape(-1)).t().reshape(*input_ids.shape, -1)
         rows = positions.clamp(min=0)
         cos = self.cos[rows].to(dtype)[:, :, None]  # [B, S, 1, D]
         sin = self.sin[rows].to(dtype)[:, :, None]
@@ -135,6 +136,6 @@ class GraphDecoder(nn.Module):
                 x, cos, sin, mask, kv_caches[2 * i], kv_caches[2 * i + 1], slot_mapping, block_tables, self.layout
             )
             updated += [k_cache, v_cache]
-        head = self.embed if self.lm_head is None else self.lm_head
-        logits = nn.functional.linear(_rms_norm(x, self.final_norm, self.eps), head).float()
-        return logits, *updated
+        x = _rms_norm(x, self.final_norm, self.eps)
+        logits = torch.matmul(x, self.embed_t) if self.lm_head is None else nn.functional.linear(x, self.lm_head)
+        return logits.float(), *updated

@@ -7,6 +7,7 @@ graph in full (shape inference included). Compressed weights are stored dequanti
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import onnx
 import torch
+from onnx import numpy_helper
 
 from heteroserve.export.graph_inputs import example_inputs, graph_shapes, input_names, output_names
 from heteroserve.export.graph_module import GraphDecoder
@@ -81,6 +83,31 @@ def _trace(module: GraphDecoder, loaded: LoadedModel, options: ExportOptions, de
     )
 
 
+def deduplicate_weights(path: Path) -> None:
+    """Stores each distinct weight once: the optimizer folds a reshaped or transposed view of a weight (a tied
+    embedding read as the LM head) into a second initializer with the same bytes."""
+    proto = onnx.load(str(path))
+    first: dict[tuple, str] = {}
+    renamed: dict[str, str] = {}
+    kept = []
+    for tensor in proto.graph.initializer:
+        key = (tuple(tensor.dims), tensor.data_type, hashlib.sha256(numpy_helper.to_array(tensor).tobytes()).digest())
+        if key in first:
+            renamed[tensor.name] = first[key]
+        else:
+            first[key] = tensor.name
+            kept.append(tensor)
+    if not renamed:
+        return
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(kept)
+    for node in proto.graph.node:
+        node.input[:] = [renamed.get(name, name) for name in node.input]
+    data = path.with_name(path.name + ".data")
+    data.unlink()
+    onnx.save(proto, str(path), save_as_external_data=True, location=data.name, size_threshold=1024)
+
+
 def derive_decode(prefill: Path, decode: Path) -> None:
     """The decode graph as the dynamic prefill graph with one row per sequence: the same nodes and the same weights
     file (tracing a 30-layer model twice costs minutes; reading its weights twice, gigabytes)."""
@@ -110,8 +137,10 @@ def export_onnx(loaded: LoadedModel, options: ExportOptions) -> ExportResult:
     prefill, decode = options.out / "prefill.onnx", options.out / "decode.onnx"
     with torch.no_grad():
         _trace(module, loaded, options, decode=False, path=prefill)
+        deduplicate_weights(prefill)
         if options.static:  # a static prefill graph may hold its row count as constants: trace one row
             _trace(module, loaded, options, decode=True, path=decode)
+            deduplicate_weights(decode)
         else:
             derive_decode(prefill, decode)
     for path in (prefill, decode):
