@@ -15,7 +15,8 @@ KV_LAYOUTS = ("paged", "contiguous")
 
 def _write(cache: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """`cache` [slots, Hkv, D] with new[i] stored at slot rows[i]; negative rows land in a dropped scratch slot."""
-    scratch = cache.new_zeros((1, *cache.shape[1:]))
+    # Made in float32 and cast: ConstantOfShape takes bfloat16 only from opset 20.
+    scratch = torch.zeros((1, *cache.shape[1:]), dtype=torch.float32).to(cache.dtype)
     padded = torch.cat((cache, scratch), dim=0)
     index = torch.where(rows >= 0, rows, cache.shape[0])
     return padded.index_copy(0, index, new.to(cache.dtype))[: cache.shape[0]]

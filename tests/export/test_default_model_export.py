@@ -2,7 +2,7 @@
 transformers.
 
 The export stores the 4-bit weights dequantised to float32, so onnxruntime is compared with the engine on the
-same model dequantised at load (`default_llm`, quantization="none", the platform's own kernels), on the top-20
+same model dequantised at load (quantization="none") with the reference operators, on the top-20
 log-probabilities of every prompt row and every generated token, within 1e-4 of the largest |logit| (the rule of
 tests/model/tiny_models.py); greedy tokens against transformers' GGUF reference too. Exporting 30 layers takes
 minutes on 2 cores, so this test is in the slow set (`pytest -m slow tests/export`).
@@ -38,9 +38,17 @@ def default_export(tmp_path_factory):
     return out, printed.getvalue()
 
 
+@pytest.fixture(scope="module")
+def reference_llm():
+    """The engine on the default model dequantised to float32, with the plain torch operators."""
+    from heteroserve import LLM
+
+    return LLM(max_model_len=256, num_kv_blocks=64, quantization="none", kernels="reference")
+
+
 @pytest.mark.slow
 def test_default_model_export_matches_engine(
-    default_export, default_llm, default_tokenizer, hf_default, greedy_comparison
+    default_export, reference_llm, default_tokenizer, hf_default, greedy_comparison
 ):
     out, printed = default_export
     config = json.loads((out / "config.json").read_text())
@@ -50,7 +58,7 @@ def test_default_model_export_matches_engine(
     token_prompts = [default_tokenizer(text)["input_ids"] for text in TEXTS]
     onnx_run = generate(OnnxDecoder(out), token_prompts, NEW_TOKENS)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP, prompt_logprobs=TOP)
-    outputs = default_llm.generate([{"prompt_token_ids": p} for p in token_prompts], params, use_tqdm=False)
+    outputs = reference_llm.generate([{"prompt_token_ids": p} for p in token_prompts], params, use_tqdm=False)
     error, scale = 0.0, 0.0
     for i, (prompt, output) in enumerate(zip(token_prompts, outputs, strict=True)):
         completion = output.outputs[0]

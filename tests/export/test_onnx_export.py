@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,3 +138,24 @@ def test_vision_language_model_exports_its_language_model(tmp_path, greedy_compa
     onnx_run = generate(decoder, text_prompts, NEW_TOKENS)
     compare_with_engine("qwen2_vl text paged", onnx_run, TextOfVL(vl), greedy_comparison)
     assert decoder.config["model_type"] == "qwen2_vl" and decoder.config["tokenizer"] == "tokenizer"
+
+
+def test_float16_export_runs_close_to_float32(tiny_models, tmp_path, greedy_comparison):
+    """A float16 export (weights, activations and cache) on onnxruntime: the engine's float32 logprobs within
+    float16's rounding, its greedy tokens up to a near-tie (a wider one, as for a 16-bit KV cache)."""
+    tiny = tiny_models["llama_tied"]
+    decoder = export_tiny(tiny.folder, tmp_path / "onnx", dtype="float16")
+    spec = {s["name"]: s["dtype"] for s in decoder.config["graphs"]["prefill"]["inputs"]}
+    assert spec["past_key.0"] == "float16" and decoder.new_caches(num_blocks=2)[0].dtype == np.float16
+    token_prompts = prompts(7, PROMPT_LENGTHS)
+    onnx_run = generate(decoder, token_prompts, NEW_TOKENS)
+    outputs = run(tiny.llm(kernels="reference"), token_prompts, greedy_params(tiny.vocab_size, max_tokens=NEW_TOKENS))
+    for i, output in enumerate(outputs):
+        engine = torch.stack([_dense(output.prompt_logprobs[j], tiny.vocab_size) for j in range(1, PROMPT_LENGTHS[i])])
+        logits = onnx_run.prompt_logits[i][:-1]
+        error, scale = float((torch.log_softmax(logits, -1) - engine).abs().max()), float(logits.abs().max())
+        print(f"llama_tied float16: max |prompt logprob diff| from float32 {error:.2e} (largest |logit| {scale:.1f})")
+        assert error < 1e-2 * scale, f"float16 prompt logprobs differ from float32 by {error:.3e}"
+        greedy_comparison.check(
+            f"onnx float16 sequence {i}", onnx_run.tokens[i], tiny.reference.greedy(token_prompts[i], NEW_TOKENS), 0.1
+        )
