@@ -275,11 +275,6 @@ class EngineConfig:
                 f"unknown reasoning parser {self.reasoning_parser!r}; known: {', '.join(sorted(REASONING_END_MARKERS))}"
             )
         if self.lora is not None:
-            if self.parallel.world_size > 1:
-                raise ValueError(
-                    "LoRA adapters run on one rank: tensor and pipeline parallelism with enable_lora are not "
-                    "supported yet (drop --enable-lora or the parallelism)"
-                )
             if self.scheduler.pooling:
                 raise ValueError("LoRA adapters are served on generating models; this model pools (embed / score)")
             self.scheduler.max_loras = self.lora.max_loras

@@ -62,6 +62,15 @@ def add_bench_parser(commands) -> None:
                 "the grammar's cost",
             )
             sub.add_argument(
+                "--lora-adapters",
+                type=int,
+                default=None,
+                metavar="N",
+                help="run the batch on the base model alone and with N random adapters (--lora-rank) spread over "
+                "the requests, alternating: the cost of multi-LoRA serving (sets --enable-lora, --max-loras N)",
+            )
+            sub.add_argument("--lora-rank", type=int, default=16, help="rank of --lora-adapters' adapters")
+            sub.add_argument(
                 "--hf-requests",
                 type=int,
                 default=None,

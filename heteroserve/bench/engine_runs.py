@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from heteroserve.engine.llm_engine import LLMEngine
+from heteroserve.lora.request import LoRARequest
 from heteroserve.sampling_params import RequestOutputKind, SamplingParams
 from heteroserve.structured_output import StructuredOutputsParams
 
@@ -47,10 +48,14 @@ def structured_schema(index: int) -> StructuredOutputsParams:
 
 
 def run_batch(
-    engine: LLMEngine, requests: Requests, structured: Callable[[int], StructuredOutputsParams] | None = None
+    engine: LLMEngine,
+    requests: Requests,
+    structured: Callable[[int], StructuredOutputsParams] | None = None,
+    lora: Callable[[int], LoRARequest | None] | None = None,
 ) -> BatchRun:
     """All requests submitted at once, greedy with EOS ignored, stepped until every one finishes; with
-    `structured`, request i's output follows the constraint structured(i)."""
+    `structured`, request i's output follows the constraint structured(i); with `lora`, it runs under the
+    adapter lora(i)."""
     kv_cache = engine.scheduler.kv_cache
     pool = kv_cache.pool
     block = engine.config.cache.block_size
@@ -65,7 +70,8 @@ def run_batch(
             output_kind=RequestOutputKind.FINAL_ONLY,
             structured_outputs=structured(i) if structured is not None else None,
         )
-        engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)
+        adapter = lora(i) if lora is not None else None
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params, lora_request=adapter)
     outputs: dict[str, list[int]] = {}
     e2e: list[float] = []
     peak, steps = 0, 0

@@ -25,6 +25,10 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
             raise SystemExit(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
     if args.max_model_len is None:
         args.max_model_len = 2048
+    if getattr(args, "lora_adapters", None):
+        args.enable_lora = True
+        args.max_loras = max(args.max_loras, args.lora_adapters)
+        args.max_lora_rank = max(args.max_lora_rank, args.lora_rank)
     return LLMEngine(EngineArgs.from_cli_args(args, args.model).create_engine_config())
 
 

@@ -4,6 +4,8 @@ batches on the same prompts, over one or more alternating rounds."""
 from __future__ import annotations
 
 import statistics
+import tempfile
+from pathlib import Path
 
 from heteroserve.bench.engine_runs import BatchRun, run_batch, structured_schema
 from heteroserve.bench.harness import (
@@ -32,10 +34,13 @@ def run_throughput_bench(args) -> None:
         "peers": {},
         "_platform": engine.platform,
     }
-    if args.structured is not None:
+    if args.structured is not None or args.lora_adapters:
         if args.peer:
-            raise SystemExit("--structured compares our engine with and without grammars: run it without --peer")
-        _structured_rounds(engine, requests, args, result)
+            raise SystemExit("--structured and --lora-adapters compare our engine with itself: run them without --peer")
+        if args.structured is not None:
+            _structured_rounds(engine, requests, args, result)
+        else:
+            _lora_rounds(engine, requests, args, result)
         return
     peers = list(runnable_peers(engine, args, result))
     runs: list[BatchRun] = []
@@ -92,6 +97,50 @@ def _structured_rounds(engine: LLMEngine, requests, args, result: dict) -> None:
     }
     result["latency_samples_ms"] = {"heteroserve request e2e": [1000 * x for x in plain.e2e_s]}
     print(f"json schema per request: {statistics.median(ratios):.1%} of plain throughput (median of rounds)")
+    write_report(args, result)
+
+
+def _lora_rounds(engine: LLMEngine, requests, args, result: dict) -> None:
+    """The batch on the base model alone and with request i under adapter i mod N, alternating which goes first
+    each round; the cost of the adapters is the median of the rounds' throughput ratios."""
+    from heteroserve.bench.lora_adapters import write_random_adapters
+    from heteroserve.model.arch import ModelArch
+
+    with tempfile.TemporaryDirectory(prefix="heteroserve-bench-lora-") as folder:
+        arch = ModelArch.from_hf_config(engine.hf_config)
+        adapters = write_random_adapters(arch, Path(folder), args.lora_adapters, args.lora_rank, args.seed)
+        base_runs: list[BatchRun] = []
+        lora_runs: list[BatchRun] = []
+        for round_index in range(args.rounds):
+            order = [False, True] if round_index % 2 == 0 else [True, False]
+            for with_lora in order:
+                engine.scheduler.kv_cache.pool.reset_cache()
+                lora = (lambda i: adapters[i % len(adapters)]) if with_lora else None
+                run = run_batch(engine, requests, lora=lora)
+                (lora_runs if with_lora else base_runs).append(run)
+                label = f"{len(adapters)} adapters of rank {args.lora_rank}" if with_lora else "base model alone"
+                print(
+                    f"round {round_index + 1}: {label}: {run.wall_s:.1f} s, {run.output_tokens / run.wall_s:.1f} "
+                    "output tok/s"
+                )
+    ratios = [
+        (a.output_tokens / a.wall_s) / (b.output_tokens / b.wall_s) for b, a in zip(base_runs, lora_runs, strict=True)
+    ]
+    base = median_round(base_runs, key=lambda r: r.wall_s)
+    with_adapters = median_round(lora_runs, key=lambda r: r.wall_s)
+    result["heteroserve"] = _batch_fields(engine, base, base_runs)
+    result["lora"] = {
+        "adapters": len(adapters),
+        "rank": args.lora_rank,
+        "max_loras": engine.config.lora.max_loras,
+        **_batch_fields(engine, with_adapters, lora_runs),
+        "throughput_vs_base": statistics.median(ratios),
+        "rounds_throughput_vs_base": ratios,
+    }
+    result["latency_samples_ms"] = {"heteroserve request e2e": [1000 * x for x in base.e2e_s]}
+    print(
+        f"{len(adapters)} adapters: {statistics.median(ratios):.1%} of the base model's throughput (median of rounds)"
+    )
     write_report(args, result)
 
 

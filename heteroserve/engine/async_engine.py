@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from heteroserve.config import EngineConfig
 from heteroserve.engine.llm_engine import LLMEngine, PromptInput
+from heteroserve.lora.request import LoRARequest
 from heteroserve.outputs import PoolingRequestOutput, RequestOutput
 from heteroserve.pooling_params import PoolingParams
 from heteroserve.sampling_params import SamplingParams
@@ -41,6 +42,7 @@ class _Add:
     accepted: asyncio.Future
     outputs: asyncio.Queue
     on_running: Callable[[], None] | None
+    lora_request: LoRARequest | None
 
 
 @dataclass
@@ -93,6 +95,7 @@ class AsyncLLMEngine:
         params: SamplingParams | PoolingParams,
         priority: int = 0,
         on_running: Callable[[], None] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """Queues a request and yields its outputs; a bad request raises ValueError before the first yield.
 
@@ -105,7 +108,7 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"the engine loop is not running: {self.dead_error!r}")
         loop = asyncio.get_running_loop()
         accepted, outputs = loop.create_future(), asyncio.Queue()
-        self._send(_Add(request_id, prompt, params, priority, accepted, outputs, on_running))
+        self._send(_Add(request_id, prompt, params, priority, accepted, outputs, on_running, lora_request))
         finished = False
         try:
             await accepted  # raises the engine's ValueError for bad input
@@ -173,7 +176,13 @@ class AsyncLLMEngine:
                 continue
             loop = message.accepted.get_loop()
             try:
-                self.engine.add_request(message.request_id, message.prompt, message.params, message.priority)
+                self.engine.add_request(
+                    message.request_id,
+                    message.prompt,
+                    message.params,
+                    message.priority,
+                    lora_request=message.lora_request,
+                )
             except ValueError as exc:
                 loop.call_soon_threadsafe(_settle, message.accepted, exc)
                 continue

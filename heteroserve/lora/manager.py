@@ -1,5 +1,7 @@
-"""A rank's adapters: read from their folders on first use, kept in host memory (up to max_cpu_loras, least
-recently used dropped first) and swapped into the device's `max_loras` slots as steps need them."""
+"""A rank's adapters: read from their folders on first use (each rank reads its own share: the layers of its
+pipeline stage, and with tensor parallelism the rows or columns of the projections it holds, as the base weights
+are split), kept in host memory (up to max_cpu_loras, least recently used dropped first) and swapped into the
+device's `max_loras` slots as steps need them."""
 
 from __future__ import annotations
 
@@ -12,16 +14,16 @@ from heteroserve.lora.batch import LoRABatch
 from heteroserve.lora.peft_adapter import AdapterWeights, load_adapter
 from heteroserve.lora.request import LoRARequest
 from heteroserve.lora.slots import LoRASlots
-from heteroserve.model.arch import ModelArch
+from heteroserve.model.sharding import ModelShard
 
 
 class LoRAManager:
-    def __init__(self, config: LoRAConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: LoRAConfig, shard: ModelShard, dtype: torch.dtype, device: torch.device) -> None:
         self.config = config
-        self.arch = arch
+        self.shard = shard
         self.dtype = dtype
         self.device = device
-        self.slots = LoRASlots(arch, config.max_loras, config.max_lora_rank, dtype, device)
+        self.slots = LoRASlots(shard.arch, config.max_loras, config.max_lora_rank, dtype, device)
         self._host: OrderedDict[int, AdapterWeights] = OrderedDict()
         self.num_loads = 0  # adapters read from disk
         self.num_swaps = 0  # adapters written into a device slot
@@ -51,10 +53,31 @@ class LoRAManager:
     def _weights(self, lora: LoRARequest) -> AdapterWeights:
         weights = self._host.get(lora.lora_int_id)
         if weights is None:
-            weights = load_adapter(lora.lora_name, lora.lora_path, self.arch, self.config.max_lora_rank, self.dtype)
+            full = self.shard.full_arch
+            weights = local_share(
+                load_adapter(lora.lora_name, lora.lora_path, full, self.config.max_lora_rank, self.dtype), self.shard
+            )
             self.num_loads += 1
             self._host[lora.lora_int_id] = weights
             while len(self._host) > self.config.host_capacity:
                 self._host.popitem(last=False)
         self._host.move_to_end(lora.lora_int_id)
         return weights
+
+
+def local_share(weights: AdapterWeights, shard: ModelShard) -> AdapterWeights:
+    """The part of an adapter that modifies this rank's share of the model: the stage's layers (renumbered from 0);
+    B's rows of a column-parallel projection (q, k, v, gate, up: each rank adds its own output columns) and A's
+    columns of a row-parallel one (o, down: each rank's partial product is summed by the layer's all-reduce)."""
+    layers = weights.layers[shard.layer_start : shard.layer_start + shard.arch.num_layers]
+    local = []
+    for modules in layers:
+        kept = {}
+        for module, (a, b) in modules.items():
+            split = shard.split_of(module)
+            if split is not None:
+                kind, start, end = split
+                a, b = (a, b[start:end].contiguous()) if kind == "rows" else (a[:, start:end].contiguous(), b)
+            kept[module] = (a, b)
+        local.append(kept)
+    return AdapterWeights(weights.config, local)

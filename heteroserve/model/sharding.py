@@ -24,6 +24,17 @@ from heteroserve.model.arch import ModelArch
 from heteroserve.quantization.weight import ShardableWeight
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_SPLIT_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "gate_proj",
+    "up_proj",
+    "embed_tokens",
+    "lm_head",
+    "o_proj",
+    "down_proj",
+)
 
 
 @dataclass(frozen=True)
@@ -78,30 +89,33 @@ class ModelShard:
             if 0 <= index < self.arch.num_layers:
                 yield f"model.layers.{index}.{match.group(2)}", self._slice(match.group(2), tensor)
 
-    def _slice(self, name: str, tensor):
+    def split_of(self, module: str) -> tuple[str, int, int] | None:
+        """How this rank splits a projection or table (its name's last part, e.g. q_proj): ("rows" | "columns",
+        start, end) of the full weight, or None where it is replicated (norms, or one rank)."""
         if self.groups.tp_size == 1:
-            return tensor
+            return None
         a, d = self.arch, self.full_arch.head_dim
         q = (self.head_start * d, (self.head_start + a.num_heads) * d)
         kv = (self.kv_head_start * d, (self.kv_head_start + a.num_kv_heads) * d)
         mlp = (self.mlp_start, self.mlp_start + a.intermediate_size)
         vocab = (self.vocab_start, self.vocab_start + a.vocab_size)
-        rows = {
-            "q_proj": q,
-            "k_proj": kv,
-            "v_proj": kv,
-            "gate_proj": mlp,
-            "up_proj": mlp,
-            "embed_tokens": vocab,
-            "lm_head": vocab,
-        }
+        rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": mlp, "up_proj": mlp}
+        rows |= {"embed_tokens": vocab, "lm_head": vocab}
         columns = {"o_proj": q, "down_proj": mlp}
-        for key, span in rows.items():
-            if f"{key}." in name:
-                return slice_rows(tensor, *span)
-        for key, span in columns.items():
-            if f"{key}.weight" in name:
-                return slice_columns(tensor, *span, name)
+        if module in rows:
+            return ("rows", *rows[module])
+        if module in columns:
+            return ("columns", *columns[module])
+        return None
+
+    def _slice(self, name: str, tensor):
+        for module in _SPLIT_MODULES:
+            if f"{module}." in name:
+                split = self.split_of(module)
+                if split is None or (split[0] == "columns" and f"{module}.weight" not in name):
+                    return tensor  # a row-parallel projection's bias is not split
+                kind, start, end = split
+                return slice_rows(tensor, start, end) if kind == "rows" else slice_columns(tensor, start, end, name)
         return tensor  # norms, q/k norms: replicated
 
 

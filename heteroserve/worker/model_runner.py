@@ -92,7 +92,9 @@ class ModelRunner:
         self.sampler = Sampler(self.model.ops.argmax_rows)
         self.pooler = loaded.pooler  # a decoder serving embeddings: pooled hidden states instead of tokens
         self.images = ImageInputs(loaded.vision, self.device) if loaded.vision is not None else None
-        self.lora = LoRAManager(lora_config, self.arch, self.dtype, self.device) if lora_config is not None else None
+        self.lora = None
+        if lora_config is not None:
+            self.lora = LoRAManager(lora_config, self.model.shard, self.dtype, self.device)
         self._seeds = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
 

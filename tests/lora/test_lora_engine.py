@@ -15,27 +15,9 @@ from peft import PeftModel
 from heteroserve.lora.request import LoRARequest
 from heteroserve.model.loader.weights import INT4_GROUP
 from heteroserve.quantization.int4 import quantize_int4
-from tests.lora.adapters import ATTENTION, MLP, TinyAdapter, save_adapter
-from tests.model.tiny_models import as_reference, check_output, greedy_params, prompts, run, save_tiny
+from tests.lora.adapters import ATTENTION, MLP, TinyAdapter
+from tests.model.tiny_models import as_reference, check_output, greedy_params, prompts, run
 from tests.reference import GreedyComparison
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return save_tiny("qwen2", tmp_path_factory.mktemp("lora-base"))  # qkv biases: the adapter adds to them
-
-
-@pytest.fixture(scope="module")
-def adapters(base, tmp_path_factory) -> list[TinyAdapter]:
-    """Four adapters that differ in what PEFT lets them differ in: targets, rank, alpha, rsLoRA."""
-    root = tmp_path_factory.mktemp("lora-adapters")
-    model = base.reference.model
-    return [
-        save_adapter(model, root / "all", "all", 1, rank=8, seed=1),
-        save_adapter(model, root / "qv", "qv", 2, rank=4, alpha=8, targets=["q_proj", "v_proj"], seed=2),
-        save_adapter(model, root / "mlp", "mlp", 3, rank=16, alpha=32, targets=MLP, seed=3),
-        save_adapter(model, root / "rs", "rs", 4, rank=8, alpha=4, targets=ATTENTION, use_rslora=True, seed=4),
-    ]
 
 
 @pytest.fixture(scope="module")

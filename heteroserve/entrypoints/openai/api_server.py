@@ -22,6 +22,8 @@ from heteroserve.engine.async_engine import AsyncLLMEngine
 from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.gate import Gate, ServerState, unless_disconnected
+from heteroserve.entrypoints.openai.lora_modules import LoRAModules, parse_lora_module
+from heteroserve.entrypoints.openai.lora_routes import add_lora_routes
 from heteroserve.entrypoints.openai.page_routes import add_chat_page_routes
 from heteroserve.entrypoints.openai.pooling_routes import add_pooling_routes
 from heteroserve.entrypoints.openai.protocol import (
@@ -37,6 +39,7 @@ from heteroserve.entrypoints.openai.serving_chat import ServingChat
 from heteroserve.entrypoints.openai.serving_completion import ServingCompletion
 from heteroserve.entrypoints.openai.serving_pooling import require_task
 from heteroserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from heteroserve.lora.request import LoRARequest
 from heteroserve.metrics.prometheus import METRICS_PREFIXES, ServerMetrics
 from heteroserve.multimodal.media import MediaPolicy
 from heteroserve.pooling_params import PoolingParams
@@ -60,6 +63,7 @@ def build_app(
     api_key: str | None = None,
     allowed_origins: list[str] | None = None,
     log_requests: bool = False,
+    allow_lora_updates: bool = False,
 ) -> FastAPI:
     app = FastAPI(title="heteroserve", version=heteroserve.__version__)
     state = ServerState()
@@ -78,6 +82,7 @@ def build_app(
     chats = ServingChat(engine, settings, metrics, admission)
     _add_generation_routes(app, engine, settings, completions, chats, log_requests)
     add_pooling_routes(app, engine, settings, metrics, admission, _API_ERRORS, log_requests)
+    add_lora_routes(app, engine, settings, allow_lora_updates, _API_ERRORS)
 
     @app.on_event("startup")
     async def warm_up():
@@ -169,12 +174,15 @@ def _add_generation_routes(
 ) -> None:
     """The model cards, completions, chat and the tokenizer's routes."""
 
-    def model_card(name: str) -> dict:
+    def model_card(name: str, lora: LoRARequest | None = None) -> dict:
+        """A LoRA adapter's card names the base model as its parent and its folder as its root, as vLLM's."""
         return {
             "id": name,
             "object": "model",
             "created": now(),
             "owned_by": "heteroserve",
+            "root": engine.engine.model_name if lora is None else lora.lora_path,
+            "parent": None if lora is None else settings.served_model_names[0],
             "max_model_len": engine.engine.max_model_len,
             "task": engine.engine.task,  # generate, embed or score: which routes serve it
             "capabilities": {"vision": engine.engine.image_processor is not None},  # the chat page's Image button
@@ -182,12 +190,13 @@ def _add_generation_routes(
 
     @app.get("/v1/models", responses=_API_ERRORS)
     async def models():
-        return {"object": "list", "data": [model_card(name) for name in settings.served_model_names]}
+        cards = [model_card(name) for name in settings.served_model_names]
+        cards += [model_card(lora.lora_name, lora) for lora in settings.lora_modules.adapters()]
+        return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model_id:path}", responses=_API_ERRORS)
     async def model(model_id: str):
-        completions.check_model(model_id)
-        return model_card(model_id)
+        return model_card(model_id, completions.check_model(model_id))
 
     @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
     async def create_completion(body: CompletionRequest, request: Request):
@@ -294,6 +303,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS), help="the model's tool-call format"
     )
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters served by name (PEFT folders; needs --enable-lora); also vLLM's JSON form",
+    )
+    group.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora and --api-key)",
+    )
     group.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins, e.g. '*'")
     group.add_argument("--max-waiting-requests", type=int, default=None, help="answer 429 beyond this many waiting")
     group.add_argument(
@@ -363,10 +385,25 @@ def run_server(args: argparse.Namespace) -> None:
     if chat_template is not None:
         path = Path(chat_template)
         chat_template = path.read_text() if path.is_file() else chat_template
-    engine = AsyncLLMEngine.from_config(config)
-    names = args.served_model_name or [engine.engine.model_name]
+    if (args.lora_modules or args.allow_runtime_lora_updating) and config.lora is None:
+        raise SystemExit("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    if args.allow_runtime_lora_updating and args.api_key is None:
+        raise SystemExit("--allow-runtime-lora-updating needs --api-key: it lets clients make the server read folders")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
+    engine = AsyncLLMEngine.from_config(config)
+    names = args.served_model_name or [engine.engine.model_name]
+    lora_modules = LoRAModules()
+    for name, path in args.lora_modules or ():
+        lora = lora_modules.new(name, path)
+        try:
+            if name in names:
+                raise ValueError(f"--lora-modules: {name!r} is the base model's name")
+            engine.engine.check_lora(lora)
+            lora_modules.add(lora)
+        except ValueError as exc:
+            engine.shutdown()
+            raise SystemExit(str(exc)) from exc
     settings = ServerSettings(
         names,
         args.max_waiting_requests,
@@ -380,8 +417,16 @@ def run_server(args: argparse.Namespace) -> None:
         max_request_body_bytes=args.max_request_body_bytes,
         max_prompts_per_request=args.max_prompts_per_request,
         metrics_prefix=args.metrics_prefix,
+        lora_modules=lora_modules,
     )
-    app = build_app(engine, settings, args.api_key, args.allowed_origins, args.enable_log_requests)
+    app = build_app(
+        engine,
+        settings,
+        args.api_key,
+        args.allowed_origins,
+        args.enable_log_requests,
+        args.allow_runtime_lora_updating,
+    )
     server_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5
     )

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from heteroserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from heteroserve.engine.llm_engine import PromptInput
 from heteroserve.entrypoints.openai.errors import APIError
+from heteroserve.entrypoints.openai.lora_modules import LoRAModules
 from heteroserve.entrypoints.openai.protocol import RequestBody, SamplingFields
+from heteroserve.lora.request import LoRARequest
 from heteroserve.metrics.prometheus import ServerMetrics
 from heteroserve.multimodal.media import MediaPolicy
 from heteroserve.outputs import PoolingRequestOutput, RequestOutput
@@ -36,6 +38,7 @@ class ServerSettings:
     max_request_body_bytes: int = 32 * 1024**2  # room for one image of --max-image-bytes' default, base64-encoded
     max_prompts_per_request: int = 256  # prompts in one completion request (each is an engine request)
     metrics_prefix: str = "both"  # /metrics names: heteroserve:*, vllm:* or both (METRICS_PREFIXES)
+    lora_modules: LoRAModules = field(default_factory=LoRAModules)  # adapters served by name (--lora-modules)
 
 
 class Admission:
@@ -94,9 +97,22 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.settings.served_model_names[0]
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.settings.served_model_names:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves {self.model_name!r}.", "model")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter the request's model names (None: the base model); 404 for a model not served here."""
+        if model is None or model in self.settings.served_model_names:
+            return None
+        lora = self.settings.lora_modules.get(model)
+        if lora is None:
+            adapters = self.settings.lora_modules.names()
+            also = f" and the LoRA adapters {', '.join(map(repr, adapters))}" if adapters else ""
+            raise APIError(
+                404, f"The model `{model}` does not exist; this server serves {self.model_name!r}{also}.", "model"
+            )
+        return lora
+
+    def response_model(self, model: str | None) -> str:
+        """The model name a response carries: the adapter's when the request named one, else the base model's."""
+        return model if model is not None and self.settings.lora_modules.get(model) is not None else self.model_name
 
     def check_request(self, request: SamplingFields) -> None:
         """The body's undeclared fields (check_fields) and what completions and chat both refuse."""
@@ -145,12 +161,15 @@ class OpenAIServing:
         priority: int,
         place: WaitingPlace | None,
         deadline: float | None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[RequestOutput | PoolingRequestOutput, AsyncIterator[RequestOutput | PoolingRequestOutput]]:
         """Starts one engine request and waits for its first output, so bad input fails before any byte is sent.
         The request leaves its waiting `place` once the engine runs it."""
         if isinstance(params, SamplingParams):  # a pooling request has neither n nor max_tokens
             self.metrics.observe_params(params.n, params.max_tokens)
-        stream = self.engine.generate(request_id, prompt, params, priority, place.leave if place else None)
+        stream = self.engine.generate(
+            request_id, prompt, params, priority, place.leave if place else None, lora_request
+        )
         try:
             first = await self._next(stream, deadline)
         except ValueError as exc:
@@ -189,10 +208,10 @@ class OpenAIServing:
         self.metrics.observe_aborted("client_disconnect")
 
     def stream_chunk(
-        self, request_id: str, kind: str, created: int, choices: list[dict], totals: dict | None = None
+        self, request_id: str, kind: str, model: str, created: int, choices: list[dict], totals: dict | None = None
     ) -> str:
         """One server-sent event of a streamed response (`kind`: text_completion or chat.completion.chunk)."""
-        body = {"id": request_id, "object": kind, "created": created, "model": self.model_name, "choices": choices}
+        body = {"id": request_id, "object": kind, "created": created, "model": model, "choices": choices}
         if totals is not None:
             body["usage"] = totals
         return sse(body)

@@ -258,7 +258,7 @@ class ServingChat(OpenAIServing):
 
     async def create(self, request: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         deadline = self.deadline()
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         self.check_request(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
@@ -284,7 +284,7 @@ class ServingChat(OpenAIServing):
         prompt = {"prompt": text, "prompt_token_ids": ids}
         if images:
             prompt["multi_modal_data"] = {"image": images}
-        first, stream = await self.start(request_id, prompt, params, request.priority, place, deadline)
+        first, stream = await self.start(request_id, prompt, params, request.priority, place, deadline, lora)
         choices = {i: ChoiceDeltas(tool_output(), self.settings.reasoning_parser) for i in range(request.n)}
         if request.stream:
             return StreamingResponse(
@@ -317,7 +317,7 @@ class ServingChat(OpenAIServing):
                 "id": request_id,
                 "object": "chat.completion",
                 "created": now(),
-                "model": self.model_name,
+                "model": self.response_model(request.model),
                 "choices": answers,
                 "usage": totals,
                 **prompt_logprobs_field(request.prompt_logprobs, final),
@@ -328,7 +328,8 @@ class ServingChat(OpenAIServing):
         created = now()
         counts: dict[int, int] = {}
 
-        chunk = functools.partial(self.stream_chunk, request_id, "chat.completion.chunk", created)
+        model = self.response_model(request.model)
+        chunk = functools.partial(self.stream_chunk, request_id, "chat.completion.chunk", model, created)
 
         def choice(index: int, delta: dict, logprobs=None, finish_reason=None) -> str:
             return chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])

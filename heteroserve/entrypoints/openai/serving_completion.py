@@ -33,7 +33,7 @@ def joined(first: dict | None, second: dict | None) -> dict | None:
 class ServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest) -> JSONResponse | StreamingResponse:
         deadline = self.deadline()
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         self.check_request(request)
         if request.max_tokens == 0 and not request.echo:
             raise APIError(400, "max_tokens must be >= 1 (0 only with echo=true, to score the prompt)", "max_tokens")
@@ -53,7 +53,7 @@ class ServingCompletion(OpenAIServing):
         # All prompts enter the engine before any first token is awaited, so their prefills share steps.
         results = await asyncio.gather(
             *(
-                self.start(f"{request_id}-{i}", p, params, request.priority, place, deadline)
+                self.start(f"{request_id}-{i}", p, params, request.priority, place, deadline, lora)
                 for i, (p, params) in enumerate(prepared)
             ),
             return_exceptions=True,
@@ -176,7 +176,7 @@ class ServingCompletion(OpenAIServing):
             "id": request_id,
             "object": "text_completion",
             "created": now(),
-            "model": self.model_name,
+            "model": self.response_model(request.model),
             "choices": choices,
             "usage": totals,
         }
@@ -193,7 +193,9 @@ class ServingCompletion(OpenAIServing):
             async for output in self.rest(first, stream, deadline):
                 yield i, output
 
-        chunk = functools.partial(self.stream_chunk, request_id, "text_completion", created)
+        chunk = functools.partial(
+            self.stream_chunk, request_id, "text_completion", self.response_model(request.model), created
+        )
 
         echo_only = request.max_tokens == 0
         answered = False  # every choice has finished
