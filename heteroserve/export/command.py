@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from heteroserve.export.kv_layout import KV_LAYOUTS
-from heteroserve.export.options import DTYPES, ExportOptions, parse_static
+from heteroserve.export.options import DTYPES, INT4_WEIGHTS, ExportOptions, parse_static
 
 
 def add_export_parser(commands: argparse._SubParsersAction) -> None:
@@ -27,6 +27,12 @@ def add_export_parser(commands: argparse._SubParsersAction) -> None:
     onnx.add_argument("--block-size", type=int, default=16, help="tokens per KV block (paged layout)")
     onnx.add_argument("--max-model-len", type=int, help="longest sequence (default: the model's context length)")
     onnx.add_argument("--opset", type=int, default=18, help="ONNX opset of the graphs")
+    onnx.add_argument(
+        "--int4-weights",
+        default="dequantize",
+        choices=list(INT4_WEIGHTS),
+        help="4-bit projections stored dense in --dtype (every runtime) or as MatMulNBits (onnxruntime only)",
+    )
     onnx.set_defaults(handler=run_export)
 
 
@@ -39,6 +45,7 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         opset=args.opset,
+        int4_weights=args.int4_weights,
     )
 
 
@@ -56,6 +63,8 @@ def run_export(args: argparse.Namespace) -> None:
         result = export_onnx(loaded, options)
     except (ValueError, FileNotFoundError) as exc:
         sys.exit(f"heteroserve export onnx: {exc}")
+    if result.matmul_nbits:
+        print(f"weights: {result.matmul_nbits} 4-bit projections kept as MatMulNBits")
     if result.dequantized:
         print(f"weights: {', '.join(result.dequantized)} dequantised to {options.dtype} (ONNX has no such format)")
     for graph in result.config["graphs"].values():

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from heteroserve.export.kv_layout import ContiguousKV, PagedKV
+from heteroserve.export.matmul_nbits import NBitsProjection, fits_matmul_nbits
 from heteroserve.model.decoder import DecoderModel
 
 
@@ -26,6 +27,22 @@ def dense_weight(weight: torch.Tensor | object, dtype: torch.dtype) -> torch.Ten
     if isinstance(weight, torch.Tensor):
         return weight.detach().to(dtype)
     return weight.dequantize(torch.float32).to(dtype)
+
+
+class DenseProjection(nn.Module):
+    def __init__(self, weight: torch.Tensor | object, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("weight", dense_weight(weight, dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+
+def projection(weight: torch.Tensor | object, dtype: torch.dtype, int4: str) -> nn.Module:
+    """A projection as the graph stores it: 4-bit weights as MatMulNBits when asked and possible, else dense."""
+    if int4 == "matmulnbits" and fits_matmul_nbits(weight):
+        return NBitsProjection(weight, dtype)
+    return DenseProjection(weight, dtype)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,7 +60,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class GraphLayer(nn.Module):
     """One decoder layer's weights as buffers, so the exporter stores them as the graph's initializers."""
 
-    def __init__(self, layer, dtype: torch.dtype) -> None:
+    def __init__(self, layer, dtype: torch.dtype, int4: str) -> None:
         super().__init__()
         attn = layer.self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -51,17 +68,19 @@ class GraphLayer(nn.Module):
         self.eps = layer.input_layernorm.eps
         self.register_buffer("input_norm", layer.input_layernorm.weight.detach().to(dtype))
         self.register_buffer("post_norm", layer.post_attention_layernorm.weight.detach().to(dtype))
-        self.register_buffer("qkv", dense_weight(attn.qkv_proj, dtype))
+        self.qkv = projection(attn.qkv_proj, dtype, int4)
         self.register_buffer("qkv_bias", None if attn.qkv_bias is None else attn.qkv_bias.detach().to(dtype))
-        self.register_buffer("o_proj", dense_weight(attn.o_proj, dtype))
-        self.register_buffer("gate_up", dense_weight(layer.gate_up_proj, dtype))
-        self.register_buffer("down", dense_weight(layer.down_proj, dtype))
+        self.o_proj = projection(attn.o_proj, dtype, int4)
+        self.gate_up = projection(layer.gate_up_proj, dtype, int4)
+        self.down = projection(layer.down_proj, dtype, int4)
         self.register_buffer("q_norm", None if attn.q_norm is None else attn.q_norm.weight.detach().to(dtype))
         self.register_buffer("k_norm", None if attn.k_norm is None else attn.k_norm.weight.detach().to(dtype))
 
     def forward(self, x, cos, sin, mask, k_cache, v_cache, slots, block_tables, layout):
         b, s, _ = x.shape
-        qkv = nn.functional.linear(_rms_norm(x, self.input_norm, self.eps), self.qkv, self.qkv_bias)
+        qkv = self.qkv(_rms_norm(x, self.input_norm, self.eps))
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(b, s, self.num_heads, self.head_dim)
@@ -81,16 +100,18 @@ class GraphLayer(nn.Module):
         scores = torch.where(mask, scores, torch.finfo(scores.dtype).min)
         out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, Hkv, G, S, D]
         out = out.permute(0, 3, 1, 2, 4).reshape(b, s, q_size)
-        x = x + nn.functional.linear(out, self.o_proj)
-        gate, up = nn.functional.linear(_rms_norm(x, self.post_norm, self.eps), self.gate_up).chunk(2, dim=-1)
-        x = x + nn.functional.linear(nn.functional.silu(gate) * up, self.down)
+        x = x + self.o_proj(out)
+        gate, up = self.gate_up(_rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
+        x = x + self.down(nn.functional.silu(gate) * up)
         return x, k_cache, v_cache
 
 
 class GraphDecoder(nn.Module):
     """A text decoder (the language model of a vision-language one) with its cache passed in and returned."""
 
-    def __init__(self, model: DecoderModel, dtype: torch.dtype, layout: PagedKV | ContiguousKV) -> None:
+    def __init__(
+        self, model: DecoderModel, dtype: torch.dtype, layout: PagedKV | ContiguousKV, int4: str = "dequantize"
+    ) -> None:
         super().__init__()
         if getattr(model.shard, "groups", None) is not None and model.parallel.world_size > 1:
             raise ValueError("export takes the whole model on one rank, not a tensor / pipeline parallel share")
@@ -105,7 +126,7 @@ class GraphDecoder(nn.Module):
         self.eps = model.norm.eps
         self.register_buffer("cos", model.rotary.cos.detach().clone())
         self.register_buffer("sin", model.rotary.sin.detach().clone())
-        self.layers = nn.ModuleList(GraphLayer(layer, dtype) for layer in model.layers)
+        self.layers = nn.ModuleList(GraphLayer(layer, dtype, int4) for layer in model.layers)
 
     def _mask(self, positions: torch.Tensor, seq_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
         """[B, 1, 1, S, L], True where a row attends a key: cached, causal, within the sliding window."""

@@ -20,6 +20,7 @@ from onnx import numpy_helper
 from heteroserve.export.graph_inputs import example_inputs, graph_shapes, input_names, output_names
 from heteroserve.export.graph_module import GraphDecoder
 from heteroserve.export.kv_layout import kv_layout
+from heteroserve.export.matmul_nbits import TRANSLATIONS, fits_matmul_nbits
 from heteroserve.export.options import ExportOptions
 from heteroserve.model.decoder import DecoderModel
 from heteroserve.model.loader import LoadedModel
@@ -33,19 +34,23 @@ CONFIG_FORMAT = "heteroserve-onnx/1"
 class ExportResult:
     config: dict
     dequantized: list[str]  # the compressed weight formats that were stored as dense weights (empty: none)
+    matmul_nbits: int  # projections kept 4-bit as MatMulNBits
 
 
-def compressed_formats(model: DecoderModel) -> list[str]:
-    """The compressed weight types in the model (GGML blocks, int4, int8 ...), by class name."""
-    found = {
-        type(value).__name__
-        for module in model.modules()
-        for value in vars(module).values()
-        if hasattr(value, "dequantize") and not isinstance(value, torch.Tensor)
-    }
-    if not isinstance(model.embed_tokens, torch.Tensor):
-        found.add(type(model.embed_tokens).__name__)
-    return sorted(found)
+def _stored_weights(model: DecoderModel) -> list[object]:
+    weights = [model.embed_tokens, model.lm_head]
+    for layer in model.layers:
+        attn = layer.self_attn
+        weights += [attn.qkv_proj, attn.o_proj, layer.gate_up_proj, layer.down_proj]
+    return [w for w in weights if w is not None]
+
+
+def compressed_formats(model: DecoderModel, int4_weights: str) -> tuple[list[str], int]:
+    """(the compressed weight types the export dequantises, by class name; how many projections stay 4-bit)."""
+    compressed = [w for w in _stored_weights(model) if not isinstance(w, torch.Tensor)]
+    embedding = model.embed_tokens
+    kept = [w for w in compressed if int4_weights == "matmulnbits" and fits_matmul_nbits(w) and w is not embedding]
+    return sorted({type(w).__name__ for w in compressed if all(w is not k for k in kept)}), len(kept)
 
 
 def _tensor_spec(value: onnx.ValueInfoProto) -> dict:
@@ -80,6 +85,7 @@ def _trace(module: GraphDecoder, loaded: LoadedModel, options: ExportOptions, de
         opset_version=options.opset,
         optimize=True,
         external_data=True,
+        custom_translation_table=TRANSLATIONS,
     )
 
 
@@ -132,8 +138,8 @@ def export_onnx(loaded: LoadedModel, options: ExportOptions) -> ExportResult:
     if max_len > model.rotary.cos.shape[0]:
         raise ValueError(f"--max-model-len {max_len} exceeds the model's {model.rotary.cos.shape[0]} rotary positions")
     options.out.mkdir(parents=True, exist_ok=True)
-    dequantized = compressed_formats(model)
-    module = GraphDecoder(model, options.torch_dtype, kv_layout(options.kv_layout)).eval()
+    dequantized, matmul_nbits = compressed_formats(model, options.int4_weights)
+    module = GraphDecoder(model, options.torch_dtype, kv_layout(options.kv_layout), options.int4_weights).eval()
     prefill, decode = options.out / "prefill.onnx", options.out / "decode.onnx"
     with torch.no_grad():
         _trace(module, loaded, options, decode=False, path=prefill)
@@ -169,7 +175,8 @@ def export_onnx(loaded: LoadedModel, options: ExportOptions) -> ExportResult:
         "weights": {
             "dtype": options.dtype,
             "dequantized_from": dequantized,
-            "note": "compressed weights are stored dequantised" if dequantized else "float weights as loaded",
+            "matmul_nbits_projections": matmul_nbits,
+            "note": "compressed weights are stored dequantised" if dequantized else "weights as loaded",
         },
         "tokenizer": tokenizer,
         "eos_token_id": loaded.eos_token_id,
@@ -177,4 +184,4 @@ def export_onnx(loaded: LoadedModel, options: ExportOptions) -> ExportResult:
         "graphs": graphs,
     }
     (options.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return ExportResult(config, dequantized)
+    return ExportResult(config, dequantized, matmul_nbits)

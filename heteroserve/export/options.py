@@ -12,6 +12,9 @@ from heteroserve.export.kv_layout import KV_LAYOUTS
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # --static keys: the batch of both graphs, the prefill graph's rows per sequence, the paged cache's blocks.
 STATIC_KEYS = ("batch", "seq", "blocks")
+# How 4-bit projection weights are stored: dense in the export's dtype (every runtime), or compressed as
+# onnxruntime's MatMulNBits contrib op (onnxruntime only).
+INT4_WEIGHTS = ("dequantize", "matmulnbits")
 
 
 def parse_static(text: str | None) -> dict[str, int]:
@@ -38,6 +41,7 @@ class ExportOptions:
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's own context length
     opset: int = 18
+    int4_weights: str = "dequantize"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -53,6 +57,10 @@ class ExportOptions:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.int4_weights not in INT4_WEIGHTS:
+            raise ValueError(f"--int4-weights must be one of {', '.join(INT4_WEIGHTS)}, got {self.int4_weights!r}")
+        if self.int4_weights == "matmulnbits" and self.dtype == "bfloat16":
+            raise ValueError("--int4-weights matmulnbits takes float32 or float16 scales, not --dtype bfloat16")
         if not 18 <= self.opset <= 23:
             raise ValueError(f"--opset must be between 18 and 23 (the dynamo exporter's range), got {self.opset}")
 

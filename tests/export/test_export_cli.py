@@ -27,6 +27,8 @@ def _error(capsys, *argv: str) -> str:
         (["--block-size", "0"], "--block-size"),
         (["--max-model-len", "0"], "--max-model-len"),
         (["--opset", "7"], "--opset"),
+        (["--int4-weights", "awq"], "--int4-weights"),
+        (["--int4-weights", "matmulnbits", "--dtype", "bfloat16"], "--int4-weights matmulnbits"),
     ],
 )
 def test_bad_option_is_named(argv, option, capsys, tmp_path):

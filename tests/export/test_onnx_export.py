@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -31,10 +32,9 @@ BLOCK_SIZE = 4  # small blocks: every sequence spans several, interleaved with t
 PROMPT_LENGTHS = [11, 6]  # longer than mistral's 8-token window
 
 
-def export_tiny(folder, out, **options) -> OnnxDecoder:
-    loaded = load_model(
-        ModelConfig(model=str(folder), dtype="float32", max_model_len=64), resolve_platform("cpu"), "reference"
-    )
+def export_tiny(folder, out, quantization: str | None = None, **options) -> OnnxDecoder:
+    config = ModelConfig(model=str(folder), dtype="float32", max_model_len=64, quantization=quantization)
+    loaded = load_model(config, resolve_platform("cpu"), "reference")
     export_onnx(loaded, ExportOptions(out=out, block_size=BLOCK_SIZE, **options))
     return OnnxDecoder(out, threads=1)
 
@@ -44,12 +44,14 @@ def _dense(entry: dict, vocab: int) -> torch.Tensor:
     return torch.tensor([entry[t].logprob for t in range(vocab)], dtype=torch.float32)
 
 
-def compare_with_engine(label: str, onnx_run: OnnxRun, tiny, comparison) -> tuple[float, float]:
+def compare_with_engine(
+    label: str, onnx_run: OnnxRun, tiny, comparison, engine: dict | None = None, transformers: bool = True
+) -> tuple[float, float]:
     """Asserts onnxruntime's run equals the engine's and transformers'; returns (max |logprob diff|, min top-2
     margin) over every compared row. The margin is reported, not asserted: the logprobs are compared at every row,
     so a near-tie hides no error, and a token divergence at one fails the token check all the same."""
     vocab = tiny.vocab_size
-    llm = tiny.llm(kernels="reference", block_size=BLOCK_SIZE)
+    llm = tiny.llm(kernels="reference", block_size=BLOCK_SIZE, **(engine or {}))
     outputs = run(llm, onnx_run.prompts, greedy_params(vocab, max_tokens=NEW_TOKENS))
     margin = min(onnx_run.margins())
     error = 0.0
@@ -63,7 +65,9 @@ def compare_with_engine(label: str, onnx_run: OnnxRun, tiny, comparison) -> tupl
         engine += [_dense(entry, vocab) for entry in completion.logprobs]
         ours = torch.cat((onnx_run.prompt_logits[i][:-1], torch.stack(onnx_run.step_logits[i])))
         error = max(error, float((torch.log_softmax(ours, -1) - torch.stack(engine)).abs().max()))
-        comparison.check(f"onnx {label} sequence {i}", onnx_run.tokens[i], tiny.reference.greedy(prompt, NEW_TOKENS))
+        if transformers:
+            reference = tiny.reference.greedy(prompt, NEW_TOKENS)
+            comparison.check(f"onnx {label} sequence {i}", onnx_run.tokens[i], reference)
     print(f"{label}: max |logprob diff| {error:.2e}, smallest top-2 logit margin {margin:.2e}")
     assert error <= LOGPROB_TOL, f"{label}: onnxruntime's logprobs differ from the engine's by {error:.3e}"
     return error, margin
@@ -159,3 +163,17 @@ def test_float16_export_runs_close_to_float32(tiny_models, tmp_path, greedy_comp
         greedy_comparison.check(
             f"onnx float16 sequence {i}", onnx_run.tokens[i], tiny.reference.greedy(token_prompts[i], NEW_TOKENS), 0.1
         )
+
+
+def test_int4_weights_as_matmul_nbits(tiny_models, tmp_path, greedy_comparison):
+    """Load-time int4 weights kept 4-bit in the graph (onnxruntime's MatMulNBits) against the engine running the
+    same int4 weights (transformers has no such model to compare with)."""
+    tiny = tiny_models["qwen2"]
+    decoder = export_tiny(tiny.folder, tmp_path / "onnx", quantization="int4", int4_weights="matmulnbits")
+    weights = decoder.config["weights"]
+    assert weights["matmul_nbits_projections"] == 4 * 3 and weights["dequantized_from"] == [], weights
+    nodes = onnx.load(str(tmp_path / "onnx" / "prefill.onnx"), load_external_data=False).graph.node
+    assert sum(n.op_type == "MatMulNBits" and n.domain == "com.microsoft" for n in nodes) == 4 * 3
+    onnx_run = generate(decoder, prompts(7, PROMPT_LENGTHS), NEW_TOKENS)
+    engine = {"quantization": "int4"}
+    compare_with_engine("qwen2 int4 MatMulNBits", onnx_run, tiny, greedy_comparison, engine, transformers=False)
