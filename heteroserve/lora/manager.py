@@ -28,27 +28,28 @@ class LoRAManager:
         self.num_loads = 0  # adapters read from disk
         self.num_swaps = 0  # adapters written into a device slot
 
-    def batch_for(self, segments: list[tuple[LoRARequest | None, int]]) -> LoRABatch | None:
-        """The step's LoRA rows, given each scheduled request's adapter and row count in row order; None when no
-        row runs under an adapter (the base model's step is untouched)."""
-        wanted = {lora.lora_int_id for lora, _ in segments if lora is not None}
-        if not wanted:
-            return None
+    def activate(self, adapters: list[LoRARequest]) -> dict[int, int]:
+        """Makes a step's adapters resident (reading and swapping in those that are not): adapter id -> slot."""
+        wanted = {lora.lora_int_id for lora in adapters}
+        slots = {}
+        for lora in adapters:
+            slot = self.slots.lookup(lora.lora_int_id)
+            if slot is None:
+                slot = self.slots.place(lora.lora_int_id, self._weights(lora), wanted)
+                self.num_swaps += 1
+            slots[lora.lora_int_id] = slot
+        return slots
+
+    def batch_for(self, segments: list[tuple[int | None, int]]) -> LoRABatch | None:
+        """The step's LoRA rows, given each scheduled request's slot (None: the base model) and row count in row
+        order; None when no row runs under an adapter (the base model's step is untouched)."""
         rows_by_slot: dict[int, list[int]] = {}
         offset = 0
-        for lora, count in segments:
-            if lora is not None:
-                slot = self._slot_of(lora, wanted)
+        for slot, count in segments:
+            if slot is not None:
                 rows_by_slot.setdefault(slot, []).extend(range(offset, offset + count))
             offset += count
-        return LoRABatch(self.slots, rows_by_slot, self.dtype, self.device)
-
-    def _slot_of(self, lora: LoRARequest, keep: set[int]) -> int:
-        slot = self.slots.lookup(lora.lora_int_id)
-        if slot is None:
-            slot = self.slots.place(lora.lora_int_id, self._weights(lora), keep)
-            self.num_swaps += 1
-        return slot
+        return LoRABatch(self.slots, rows_by_slot, self.dtype, self.device) if rows_by_slot else None
 
     def _weights(self, lora: LoRARequest) -> AdapterWeights:
         weights = self._host.get(lora.lora_int_id)

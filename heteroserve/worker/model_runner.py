@@ -109,8 +109,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, StepResult]:
-        # Decode rows first (a step of only those runs the fused decode layer, drafts included).
-        items = sorted(output.scheduled, key=lambda s: not s.decode_rows)
+        # Decode rows first (a step of only those runs the fused decode layer, drafts included); with LoRA, each
+        # group's rows ordered by adapter slot, base model first, so an adapter's rows sit together.
+        slot_of: dict[int, int] = {}
+        if self.lora is not None:
+            adapters = {s.request.lora_id: s.request.lora_request for s in output.scheduled if s.request.lora_id}
+            slot_of = self.lora.activate(list(adapters.values()))
+        items = sorted(output.scheduled, key=lambda s: (not s.decode_rows, slot_of.get(s.request.lora_id, -1)))
         input_ids: list[int] = []
         positions: list[int] = []
         for item in items:
@@ -132,8 +137,8 @@ class ModelRunner:
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         kv = [(layer[0], layer[1]) for layer in self.kv_cache]
         lora = None
-        if self.lora is not None:
-            lora = self.lora.batch_for([(item.request.lora_request, item.num_new_tokens) for item in items])
+        if slot_of:
+            lora = self.lora.batch_for([(slot_of.get(item.request.lora_id), item.num_new_tokens) for item in items])
         hidden = self.model(ids, pos, kv, meta, injected, lora)
         if not self.model.parallel.is_last_stage:  # the next pipeline stage carries on
             return {}
