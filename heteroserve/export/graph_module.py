@@ -1,9 +1,10 @@
 """The decoder restated as one traceable torch module with the KV cache as explicit inputs and outputs.
 
 The engine's `DecoderModel` calls its platform's operators and writes its cache in place; a graph compiler needs
-pure functions of tensors instead. This module takes the loaded model's weights (compressed ones dequantised)
-and computes a step in plain torch, in the reference operators' order (heteroserve/platforms/reference_ops.py),
-returning the logits of every input row and each layer's updated cache.
+pure functions of tensors instead. This module takes the loaded model's weights (compressed ones dequantised, or
+4-bit ones as MatMulNBits) and computes a step in plain torch: norms, rotary and the MLP's activation are the
+reference operators themselves (heteroserve/platforms/reference_ops.py), the cache writes and the attention are
+written out here. It returns the logits of every input row and each layer's updated cache.
 
 Inputs ([B] sequences, [S] rows each):
   input_ids, positions [B, S] int64; seq_lens [B] int64 (each sequence's cached tokens after this step);
@@ -20,6 +21,7 @@ from torch import nn
 from heteroserve.export.kv_layout import ContiguousKV, PagedKV
 from heteroserve.export.matmul_nbits import NBitsProjection, fits_matmul_nbits
 from heteroserve.model.decoder import DecoderModel
+from heteroserve.platforms.reference_ops import rms_norm, rotary, silu_and_mul
 
 
 def dense_weight(weight: torch.Tensor | object, dtype: torch.dtype) -> torch.Tensor:
@@ -30,6 +32,8 @@ def dense_weight(weight: torch.Tensor | object, dtype: torch.dtype) -> torch.Ten
 
 
 class DenseProjection(nn.Module):
+    """A projection stored as a dense matrix [N, K] in the export's dtype."""
+
     def __init__(self, weight: torch.Tensor | object, dtype: torch.dtype) -> None:
         super().__init__()
         self.register_buffer("weight", dense_weight(weight, dtype))
@@ -43,18 +47,6 @@ def projection(weight: torch.Tensor | object, dtype: torch.dtype, int4: str) -> 
     if int4 == "matmulnbits" and fits_matmul_nbits(weight):
         return NBitsProjection(weight, dtype)
     return DenseProjection(weight, dtype)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class GraphLayer(nn.Module):
@@ -76,9 +68,10 @@ class GraphLayer(nn.Module):
         self.register_buffer("q_norm", None if attn.q_norm is None else attn.q_norm.weight.detach().to(dtype))
         self.register_buffer("k_norm", None if attn.k_norm is None else attn.k_norm.weight.detach().to(dtype))
 
-    def forward(self, x, cos, sin, mask, k_cache, v_cache, slots, block_tables, layout):
+    def forward(self, x, rows, cos, sin, mask, k_cache, v_cache, slots, block_tables, layout):
+        """rows: every token's position, flattened (padding rows at 0), for the rotary tables cos and sin."""
         b, s, _ = x.shape
-        qkv = self.qkv(_rms_norm(x, self.input_norm, self.eps))
+        qkv = self.qkv(rms_norm(x, self.input_norm, self.eps))
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -87,8 +80,10 @@ class GraphLayer(nn.Module):
         k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
         v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = _rms_norm(q, self.q_norm, self.eps), _rms_norm(k, self.k_norm, self.eps)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q, k = rotary(rows, q.flatten(0, 1), k.flatten(0, 1), cos, sin)
+        q = q.reshape(b, s, self.num_heads, self.head_dim)
+        k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
         k_cache = layout.write(k_cache, k, slots)
         v_cache = layout.write(v_cache, v, slots)
         keys = layout.read(k_cache, block_tables).to(x.dtype)  # [B, L, Hkv, D]
@@ -101,8 +96,7 @@ class GraphLayer(nn.Module):
         out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [B, Hkv, G, S, D]
         out = out.permute(0, 3, 1, 2, 4).reshape(b, s, q_size)
         x = x + self.o_proj(out)
-        gate, up = self.gate_up(_rms_norm(x, self.post_norm, self.eps)).chunk(2, dim=-1)
-        x = x + self.down(nn.functional.silu(gate) * up)
+        x = x + self.down(silu_and_mul(self.gate_up(rms_norm(x, self.post_norm, self.eps))))
         return x, k_cache, v_cache
 
 
@@ -113,11 +107,10 @@ class GraphDecoder(nn.Module):
         self, model: DecoderModel, dtype: torch.dtype, layout: PagedKV | ContiguousKV, int4: str = "dequantize"
     ) -> None:
         super().__init__()
-        if getattr(model.shard, "groups", None) is not None and model.parallel.world_size > 1:
+        if model.parallel.world_size > 1:
             raise ValueError("export takes the whole model on one rank, not a tensor / pipeline parallel share")
         self.layout = layout
         self.sliding_window = model.arch.sliding_window
-        self.num_layers = model.arch.num_layers
         # Stored [hidden, vocab]: the head's product reads it as it is, the lookup takes columns, so a tied
         # embedding is one initializer (the exporter folds any transpose of a weight into a second copy).
         self.register_buffer("embed_t", dense_weight(model.embed_tokens, dtype).t().contiguous())
@@ -138,11 +131,8 @@ class GraphDecoder(nn.Module):
         return mask[:, None, None]
 
     def forward(self, input_ids, positions, seq_lens, kv_caches, slot_mapping=None, block_tables=None):
-        dtype = self.final_norm.dtype
         x = self.embed_t.index_select(1, input_ids.reshape(-1)).t().reshape(*input_ids.shape, -1)
-        rows = positions.clamp(min=0)
-        cos = self.cos[rows].to(dtype)[:, :, None]  # [B, S, 1, D]
-        sin = self.sin[rows].to(dtype)[:, :, None]
+        rows = positions.clamp(min=0).reshape(-1)
         first = kv_caches[0]
         if isinstance(self.layout, PagedKV):
             num_keys = block_tables.shape[1] * first.shape[1]
@@ -154,9 +144,18 @@ class GraphDecoder(nn.Module):
         updated = []
         for i, layer in enumerate(self.layers):
             x, k_cache, v_cache = layer(
-                x, cos, sin, mask, kv_caches[2 * i], kv_caches[2 * i + 1], slot_mapping, block_tables, self.layout
+                x,
+                rows,
+                self.cos,
+                self.sin,
+                mask,
+                kv_caches[2 * i],
+                kv_caches[2 * i + 1],
+                slot_mapping,
+                block_tables,
+                self.layout,
             )
             updated += [k_cache, v_cache]
-        x = _rms_norm(x, self.final_norm, self.eps)
+        x = rms_norm(x, self.final_norm, self.eps)
         logits = torch.matmul(x, self.embed_t) if self.lm_head is None else nn.functional.linear(x, self.lm_head)
         return logits.float(), *updated

@@ -112,6 +112,7 @@ def deduplicate_weights(path: Path) -> None:
     data = path.with_name(path.name + ".data")
     data.unlink()
     onnx.save(proto, str(path), save_as_external_data=True, location=data.name, size_threshold=1024)
+    data.chmod(path.stat().st_mode & 0o777)  # onnx creates it private; readable as the graph beside it is
 
 
 def derive_decode(prefill: Path, decode: Path) -> None:
@@ -128,7 +129,8 @@ def derive_decode(prefill: Path, decode: Path) -> None:
 
 
 def export_onnx(loaded: LoadedModel, options: ExportOptions) -> ExportResult:
-    """Writes prefill.onnx, decode.onnx (each with its weights in a .data file), config.json and the tokenizer."""
+    """Writes prefill.onnx and decode.onnx (their weights in .data files beside them), config.json and the
+    tokenizer into `options.out`."""
     model = loaded.model
     if not isinstance(model, DecoderModel) or not model.has_lm_head:
         raise ValueError("export onnx: only decoder models that generate text can be exported (not pooling models)")

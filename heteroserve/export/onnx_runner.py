@@ -17,6 +17,8 @@ _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dt
 
 
 class OnnxDecoder:
+    """An export folder's prefill and decode graphs, each loaded on first use; threads 0: onnxruntime's default."""
+
     def __init__(self, folder: Path | str, threads: int = 0) -> None:
         self.folder = Path(folder)
         self.config = json.loads((self.folder / "config.json").read_text())
