@@ -96,6 +96,7 @@ class SchedulerConfig:
     max_model_len: int = 8192
     pooling: bool = False  # the model returns pooled hidden states instead of generating
     max_loras: int | None = None  # with LoRA: most adapters in one step (their requests wait for a free slot)
+    max_prefill_tokens_per_step: int | None = None  # None: prompts fill the token budget (core/prefill_limit.py)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -109,6 +110,8 @@ class SchedulerConfig:
                 self.max_num_batched_tokens = 2048 if self.enable_chunked_prefill else self.max_model_len
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prefill_tokens_per_step is not None and self.max_prefill_tokens_per_step < 1:
+            raise ValueError(f"max_prefill_tokens_per_step must be >= 1, got {self.max_prefill_tokens_per_step}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

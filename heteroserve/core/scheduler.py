@@ -23,6 +23,7 @@ from heteroserve.config import SchedulerConfig
 from heteroserve.core.kv_cache_manager import KVCacheManager
 from heteroserve.core.ngram_proposer import NgramProposer
 from heteroserve.core.policy import POLICIES, RequestQueue
+from heteroserve.core.prefill_limit import PrefillLimit
 from heteroserve.core.request import Request, RequestStatus
 
 
@@ -92,6 +93,7 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.proposer = proposer
         self.policy = POLICIES[config.policy]()
+        self.prefill_limit = PrefillLimit(config.max_prefill_tokens_per_step)
         self.waiting = RequestQueue(self.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -113,6 +115,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
+        self.prefill_limit.start_step()
 
         def preempt(victim: Request) -> None:
             nonlocal budget
@@ -127,6 +130,11 @@ class Scheduler:
             if budget == 0:
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            prefilling = num_new > 1  # a prompt still prefilling in chunks
+            if prefilling:
+                num_new = self.prefill_limit.allowance(num_new)
+                if num_new == 0:
+                    continue
             drafts = request.draft_token_ids[: budget - 1] if num_new == 1 else []
             num_new += len(drafts)
             while not self.kv_cache.allocate_slots(request, num_new):
@@ -137,6 +145,8 @@ class Scheduler:
             else:
                 scheduled[request.request_id] = ScheduledRequest(request, num_new, [], drafts)
                 budget -= num_new
+                if prefilling:
+                    self.prefill_limit.take(num_new)
 
         running_preempted = bool(preempted)  # blocks ran short for running requests: admit no one new
         adapters = {r.lora_id for r in self.running if r.lora_id}
@@ -158,7 +168,9 @@ class Scheduler:
             whole = request.pooling_params is not None or not self.config.enable_chunked_prefill
             if whole and num_new > budget:  # a pooling request needs all its tokens in one step
                 break
-            num_new = min(num_new, budget)
+            num_new = self.prefill_limit.allowance(min(num_new, budget), whole)
+            if num_new == 0:
+                break
             if not self.kv_cache.allocate_slots(request, num_new, cached_blocks):
                 victim = self._victim_for(request)
                 if victim is None:
@@ -177,6 +189,7 @@ class Scheduler:
                 adapters.add(request.lora_id)
             scheduled[request.request_id] = ScheduledRequest(request, num_new, [])
             budget -= num_new
+            self.prefill_limit.take(num_new)
         for request in set_aside:
             self.waiting.push(request)
 

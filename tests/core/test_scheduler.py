@@ -811,6 +811,7 @@ class SimConfig:
     enable_prefix_caching: bool
     policy: str
     speculative: SpeculativeConfig | None
+    max_prefill_tokens_per_step: int | None
 
 
 @st.composite
@@ -840,6 +841,7 @@ def sim_configs(draw: st.DrawFn) -> SimConfig:
         enable_prefix_caching=draw(st.booleans()),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         speculative=draw(st.none() | speculative_configs()),
+        max_prefill_tokens_per_step=draw(st.none() | st.integers(1, 16)),
     )
 
 
@@ -903,6 +905,7 @@ def test_random_workloads_keep_the_invariants(
         enable_chunked_prefill=config.enable_chunked_prefill,
         max_num_seqs=config.max_num_seqs,
         policy=config.policy,
+        max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
     )
     prompts: list[list[int]] = []
     ids: list[str] = []
