@@ -83,6 +83,8 @@ class SchedulerStats:
     spec_draft_tokens: int  # speculative tokens checked so far
     spec_accepted_tokens: int  # of which the model confirmed
     step_token_counts: dict[int, int] = field(default_factory=dict)  # tokens in a step -> steps that ran that many
+    running_lora_adapters: list[str] = field(default_factory=list)  # names of the adapters running requests use
+    waiting_lora_adapters: list[str] = field(default_factory=list)  # and of those only waiting requests use
 
 
 class Scheduler:
@@ -282,6 +284,8 @@ class Scheduler:
         return request
 
     def stats(self) -> SchedulerStats:
+        running = sorted({r.lora_request.lora_name for r in self.running if r.lora_request is not None})
+        waiting = sorted({r.lora_request.lora_name for r in self.waiting if r.lora_request is not None})
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -292,6 +296,8 @@ class Scheduler:
             spec_draft_tokens=self.num_draft_tokens,
             spec_accepted_tokens=self.num_accepted_tokens,
             step_token_counts=dict(self.step_token_counts),  # a copy: the engine thread keeps counting
+            running_lora_adapters=running,
+            waiting_lora_adapters=[name for name in waiting if name not in running],
         )
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:

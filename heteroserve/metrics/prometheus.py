@@ -5,6 +5,7 @@ so vLLM's dashboards, routers and autoscalers read the same series as ours."""
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Iterator, Mapping
 
@@ -99,6 +100,19 @@ class _EngineCollector:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=names)
             counter.add_metric(values, value)
             yield counter
+        if self.engine.config.lora is not None:  # vLLM's: the value is the time of the scrape
+            info = GaugeMetricFamily(
+                PREFIX + "lora_requests_info",
+                "LoRA adapters in use: running_lora_adapters and waiting_lora_adapters (comma-separated names).",
+                labels=[*names, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            )
+            lora_labels = [
+                str(self.engine.config.lora.max_loras),
+                ",".join(stats.running_lora_adapters),
+                ",".join(stats.waiting_lora_adapters),
+            ]
+            info.add_metric([*values, *lora_labels], time.time())
+            yield info
         steps = BucketCounts(_ITERATION_TOKEN_BUCKETS)
         for tokens, count in stats.step_token_counts.items():
             steps.observe(tokens, count)

@@ -106,6 +106,9 @@ def test_requests_pick_adapters_by_model_name_in_one_batch(lora_server, tokenize
     for (name, prompt), tokens in zip(jobs, answers, strict=True):
         assert tokens == _expected(tokenized_base, name, prompt), name
     assert len({tuple(t) for t in answers}) == len(jobs), "the adapters must change the answers"
+    metrics = httpx.get(f"{lora_server.base_url}/metrics").text
+    info = [line for line in metrics.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert len(info) == 1 and 'max_lora="1"' in info[0] and 'running_lora_adapters=""' in info[0], info
 
 
 def test_load_and_unload_at_run_time(lora_server, tokenized_base):
