@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from heteroserve.bench.engine_runs import BatchRun, run_batch, structured_schema
@@ -68,24 +69,36 @@ def run_throughput_bench(args) -> None:
     write_report(args, result)
 
 
-def _structured_rounds(engine: LLMEngine, requests, args, result: dict) -> None:
-    """The same batch plain and with a JSON schema per request, alternating which goes first each round; the cost
-    of the grammar is the median of the rounds' throughput ratios."""
+def _paired_rounds(
+    engine: LLMEngine, requests, rounds: int, variant: tuple[str, Callable[[], BatchRun]], base_label: str
+) -> tuple[list[BatchRun], list[BatchRun], list[float]]:
+    """The plain batch and a variant of it, alternating which goes first each round: (plain runs, variant runs,
+    each round's variant / plain throughput)."""
+    label, run_variant = variant
     plain_runs: list[BatchRun] = []
-    structured_runs: list[BatchRun] = []
-    for round_index in range(args.rounds):
-        order = [False, True] if round_index % 2 == 0 else [True, False]
-        for structured in order:
-            engine.scheduler.kv_cache.pool.reset_cache()
-            run = run_batch(engine, requests, structured_schema if structured else None)
-            (structured_runs if structured else plain_runs).append(run)
-            label = "json schema" if structured else "plain"
+    variant_runs: list[BatchRun] = []
+    for round_index in range(rounds):
+        for is_variant in [False, True] if round_index % 2 == 0 else [True, False]:
+            engine.scheduler.kv_cache.pool.reset_cache()  # a run must not reuse the previous one's cached prompts
+            run = run_variant() if is_variant else run_batch(engine, requests)
+            (variant_runs if is_variant else plain_runs).append(run)
             tokens_per_s = run.output_tokens / run.wall_s
-            print(f"round {round_index + 1}: {label}: {run.wall_s:.1f} s, {tokens_per_s:.1f} output tok/s")
+            print(
+                f"round {round_index + 1}: {label if is_variant else base_label}: {run.wall_s:.1f} s, "
+                f"{tokens_per_s:.1f} output tok/s"
+            )
     ratios = [
-        (s.output_tokens / s.wall_s) / (p.output_tokens / p.wall_s)
-        for p, s in zip(plain_runs, structured_runs, strict=True)
+        (v.output_tokens / v.wall_s) / (p.output_tokens / p.wall_s)
+        for p, v in zip(plain_runs, variant_runs, strict=True)
     ]
+    return plain_runs, variant_runs, ratios
+
+
+def _structured_rounds(engine: LLMEngine, requests, args, result: dict) -> None:
+    """The same batch plain and with a JSON schema per request; the cost of the grammar is the median of the
+    rounds' throughput ratios."""
+    variant = ("json schema", lambda: run_batch(engine, requests, structured_schema))
+    plain_runs, structured_runs, ratios = _paired_rounds(engine, requests, args.rounds, variant, "plain")
     plain = median_round(plain_runs, key=lambda r: r.wall_s)
     structured = median_round(structured_runs, key=lambda r: r.wall_s)
     result["heteroserve"] = _batch_fields(engine, plain, plain_runs)
@@ -101,31 +114,17 @@ def _structured_rounds(engine: LLMEngine, requests, args, result: dict) -> None:
 
 
 def _lora_rounds(engine: LLMEngine, requests, args, result: dict) -> None:
-    """The batch on the base model alone and with request i under adapter i mod N, alternating which goes first
-    each round; the cost of the adapters is the median of the rounds' throughput ratios."""
+    """The batch on the base model alone and with request i under adapter i mod N; the cost of the adapters is the
+    median of the rounds' throughput ratios."""
     from heteroserve.bench.lora_adapters import write_random_adapters
     from heteroserve.model.arch import ModelArch
 
     with tempfile.TemporaryDirectory(prefix="heteroserve-bench-lora-") as folder:
         arch = ModelArch.from_hf_config(engine.hf_config)
         adapters = write_random_adapters(arch, Path(folder), args.lora_adapters, args.lora_rank, args.seed)
-        base_runs: list[BatchRun] = []
-        lora_runs: list[BatchRun] = []
-        for round_index in range(args.rounds):
-            order = [False, True] if round_index % 2 == 0 else [True, False]
-            for with_lora in order:
-                engine.scheduler.kv_cache.pool.reset_cache()
-                lora = (lambda i: adapters[i % len(adapters)]) if with_lora else None
-                run = run_batch(engine, requests, lora=lora)
-                (lora_runs if with_lora else base_runs).append(run)
-                label = f"{len(adapters)} adapters of rank {args.lora_rank}" if with_lora else "base model alone"
-                print(
-                    f"round {round_index + 1}: {label}: {run.wall_s:.1f} s, {run.output_tokens / run.wall_s:.1f} "
-                    "output tok/s"
-                )
-    ratios = [
-        (a.output_tokens / a.wall_s) / (b.output_tokens / b.wall_s) for b, a in zip(base_runs, lora_runs, strict=True)
-    ]
+        label = f"{len(adapters)} adapters of rank {args.lora_rank}"
+        variant = (label, lambda: run_batch(engine, requests, lora=lambda i: adapters[i % len(adapters)]))
+        base_runs, lora_runs, ratios = _paired_rounds(engine, requests, args.rounds, variant, "base model alone")
     base = median_round(base_runs, key=lambda r: r.wall_s)
     with_adapters = median_round(lora_runs, key=lambda r: r.wall_s)
     result["heteroserve"] = _batch_fields(engine, base, base_runs)
@@ -138,9 +137,7 @@ def _lora_rounds(engine: LLMEngine, requests, args, result: dict) -> None:
         "rounds_throughput_vs_base": ratios,
     }
     result["latency_samples_ms"] = {"heteroserve request e2e": [1000 * x for x in base.e2e_s]}
-    print(
-        f"{len(adapters)} adapters: {statistics.median(ratios):.1%} of the base model's throughput (median of rounds)"
-    )
+    print(f"{label}: {statistics.median(ratios):.1%} of the base model's throughput (median of rounds)")
     write_report(args, result)
 
 

@@ -85,6 +85,24 @@ def test_throughput_with_a_json_schema_per_request(tmp_path):
     assert len(structured["rounds_wall_s"]) == len(plain["rounds_wall_s"]) == 2
 
 
+def test_throughput_with_lora_adapters(tmp_path):
+    """The batch on the base model and with two random adapters spread over it, alternating over two rounds."""
+    out = tmp_path / "l.json"
+    bench(
+        "throughput",
+        *("--num-requests", "4", "--input-len", "16", "--output-len", "4", "--rounds", "2"),
+        *("--lora-adapters", "2", "--lora-rank", "4", "--output-json", str(out)),
+        *SMALL,
+    )
+    result = json.loads(out.read_text())
+    base, lora = result["heteroserve"], result["lora"]
+    assert (lora["adapters"], lora["rank"], lora["max_loras"]) == (2, 4, 2)
+    assert base["output_tokens"] == lora["output_tokens"] == 4 * 4
+    ratios = lora["rounds_throughput_vs_base"]
+    assert len(ratios) == 2 and min(ratios) > 0
+    assert lora["throughput_vs_base"] == pytest.approx(statistics.median(ratios))
+
+
 def test_throughput_scenario_d_and_latency(tmp_path):
     out = tmp_path / "d.json"
     bench(
