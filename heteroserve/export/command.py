@@ -9,6 +9,7 @@ from pathlib import Path
 
 from heteroserve.export.kv_layout import KV_LAYOUTS
 from heteroserve.export.options import DTYPES, INT4_WEIGHTS, ExportOptions, parse_static
+from heteroserve.export.vision_graph import parse_grid
 
 
 def add_export_parser(commands: argparse._SubParsersAction) -> None:
@@ -33,6 +34,10 @@ def add_export_parser(commands: argparse._SubParsersAction) -> None:
         choices=list(INT4_WEIGHTS),
         help="4-bit projections stored dense in --dtype (every runtime) or as MatMulNBits (onnxruntime only)",
     )
+    onnx.add_argument(
+        "--vision-grid",
+        help="a Qwen-VL model's vision tower as vision.onnx for images of this patch grid T,H,W (e.g. 1,16,16)",
+    )
     onnx.set_defaults(handler=run_export)
 
 
@@ -46,6 +51,7 @@ def options_from_args(args: argparse.Namespace) -> ExportOptions:
         max_model_len=args.max_model_len,
         opset=args.opset,
         int4_weights=args.int4_weights,
+        vision_grid=parse_grid(args.vision_grid) if args.vision_grid else None,
     )
 
 
@@ -67,6 +73,8 @@ def run_export(args: argparse.Namespace) -> None:
         print(f"weights: {result.matmul_nbits} 4-bit projections kept as MatMulNBits")
     if result.dequantized:
         print(f"weights: {', '.join(result.dequantized)} dequantised to {options.dtype} (ONNX has no such format)")
+    if result.config["vision_tower"] == "not exported":
+        print("vision tower: not exported (--vision-grid T,H,W exports it for one image grid)")
     for graph in result.config["graphs"].values():
         print(f"wrote {options.out / graph['file']}")
     print(f"wrote {options.out / 'config.json'}")

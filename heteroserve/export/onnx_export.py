@@ -7,6 +7,7 @@ graph in full (shape inference included). Compressed weights are stored dequanti
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -22,6 +23,7 @@ from heteroserve.export.graph_module import GraphDecoder
 from heteroserve.export.kv_layout import kv_layout
 from heteroserve.export.matmul_nbits import TRANSLATIONS, fits_matmul_nbits
 from heteroserve.export.options import ExportOptions
+from heteroserve.export.vision_graph import VisionGraph
 from heteroserve.model.decoder import DecoderModel
 from heteroserve.model.loader import LoadedModel
 
@@ -115,6 +117,27 @@ def deduplicate_weights(path: Path) -> None:
     data.chmod(path.stat().st_mode & 0o777)  # onnx creates it private; readable as the graph beside it is
 
 
+def export_vision(loaded: LoadedModel, options: ExportOptions, path: Path) -> None:
+    """The vision tower for `options.vision_grid` as its own graph (static: one image grid)."""
+    encoder = loaded.vision
+    if options.torch_dtype != encoder.dtype:
+        encoder = copy.deepcopy(encoder).to(options.torch_dtype)
+    graph = VisionGraph(encoder, options.vision_grid).eval()
+    patches = torch.zeros((graph.num_patches, graph.patch_features), dtype=options.torch_dtype)
+    logger.info("tracing the vision tower for grid %s into %s", options.vision_grid, path)
+    torch.onnx.export(
+        graph,
+        (patches,),
+        str(path),
+        dynamo=True,
+        input_names=["pixel_values"],
+        output_names=["image_embeds"],
+        opset_version=options.opset,
+        optimize=True,
+        external_data=True,
+    )
+
+
 def derive_decode(prefill: Path, decode: Path) -> None:
     """The decode graph as the dynamic prefill graph with one row per sequence: the same nodes and the same weights
     file (tracing a 30-layer model twice costs minutes; reading its weights twice, gigabytes)."""
@@ -139,6 +162,8 @@ def export_onnx(loaded: LoadedModel, options: ExportOptions) -> ExportResult:
         raise ValueError(f"--static seq={options.static['seq']} exceeds --max-model-len {max_len}")
     if max_len > model.rotary.cos.shape[0]:
         raise ValueError(f"--max-model-len {max_len} exceeds the model's {model.rotary.cos.shape[0]} rotary positions")
+    if options.vision_grid is not None and loaded.vision is None:
+        raise ValueError(f"--vision-grid: {loaded.source.name} has no vision tower")
     options.out.mkdir(parents=True, exist_ok=True)
     dequantized, matmul_nbits = compressed_formats(model, options.int4_weights)
     module = GraphDecoder(model, options.torch_dtype, kv_layout(options.kv_layout), options.int4_weights).eval()
@@ -151,9 +176,19 @@ def export_onnx(loaded: LoadedModel, options: ExportOptions) -> ExportResult:
             deduplicate_weights(decode)
         else:
             derive_decode(prefill, decode)
-    for path in (prefill, decode):
+        if options.vision_grid is not None:
+            export_vision(loaded, options, options.out / "vision.onnx")
+    graphs = {"prefill": prefill, "decode": decode}
+    if options.vision_grid is not None:
+        graphs["vision"] = options.out / "vision.onnx"
+    for path in graphs.values():
         onnx.checker.check_model(str(path), full_check=True)
-    graphs = {"prefill": _graph_spec(prefill), "decode": _graph_spec(decode)}
+    graphs = {name: _graph_spec(path) for name, path in graphs.items()}
+    vision_tower = None
+    if loaded.vision is not None:
+        vision_tower = (
+            "not exported" if options.vision_grid is None else {"graph": "vision", "grid": options.vision_grid}
+        )
     tokenizer = None
     if loaded.tokenizer is not None:
         loaded.tokenizer.save_pretrained(options.out / "tokenizer")
@@ -180,6 +215,7 @@ def export_onnx(loaded: LoadedModel, options: ExportOptions) -> ExportResult:
             "matmul_nbits_projections": matmul_nbits,
             "note": "compressed weights are stored dequantised" if dequantized else "weights as loaded",
         },
+        "vision_tower": vision_tower,
         "tokenizer": tokenizer,
         "eos_token_id": loaded.eos_token_id,
         "padding": "rows with slot_mapping -1 (paged) or position -1 (contiguous) write nothing and are ignored",

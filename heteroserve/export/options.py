@@ -42,6 +42,7 @@ class ExportOptions:
     max_model_len: int | None = None  # None: the model's own context length
     opset: int = 18
     int4_weights: str = "dequantize"
+    vision_grid: tuple[int, int, int] | None = None  # a VL model's vision tower as its own graph for this grid
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

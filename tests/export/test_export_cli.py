@@ -28,6 +28,7 @@ def _error(capsys, *argv: str) -> str:
         (["--max-model-len", "0"], "--max-model-len"),
         (["--opset", "7"], "--opset"),
         (["--int4-weights", "awq"], "--int4-weights"),
+        (["--vision-grid", "1,16"], "--vision-grid"),
         (["--int4-weights", "matmulnbits", "--dtype", "bfloat16"], "--int4-weights matmulnbits"),
     ],
 )
@@ -41,10 +42,12 @@ def test_out_is_required(capsys):
     assert "--out" in _error(capsys)
 
 
-def test_static_seq_longer_than_the_context_is_refused(capsys, tmp_path):
+def test_options_that_do_not_fit_the_model_are_refused(capsys, tmp_path):
     from tests.model.tiny_models import save_tiny
 
     tiny = save_tiny("llama_tied", tmp_path)
+    message = _error(capsys, str(tiny.folder), "--out", str(tmp_path / "out"), "--vision-grid", "1,4,4")
+    assert "--vision-grid: " in message and "has no vision tower" in message
     message = _error(
         capsys, str(tiny.folder), "--out", str(tmp_path / "out"), "--static", "seq=100", "--max-model-len", "64"
     )

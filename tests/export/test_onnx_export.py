@@ -13,23 +13,26 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
+from transformers import AutoImageProcessor
 
 from heteroserve.config import ModelConfig
-from heteroserve.export.onnx_export import export_onnx
+from heteroserve.export.onnx_export import export_onnx, export_vision
 from heteroserve.export.onnx_runner import OnnxDecoder
 from heteroserve.export.options import ExportOptions
 from heteroserve.model.loader import load_model
 from heteroserve.platforms import resolve_platform
 from tests.export.onnx_steps import OnnxRun, generate
 from tests.model.tiny_models import SPECS, VOCAB, greedy_params, prompts, run, save_tiny
-from tests.model.tiny_vl import TinyVL, save_tiny_vl
+from tests.model.tiny_vl import TinyVL, image, save_tiny_vl
 
 NEW_TOKENS = 17  # the prefill's token, then 16 decode steps
 LOGPROB_TOL = 1e-4  # float32: max |log-probability difference| from the engine
 BLOCK_SIZE = 4  # small blocks: every sequence spans several, interleaved with the other's
 PROMPT_LENGTHS = [11, 6]  # longer than mistral's 8-token window
+VISION_GRID = (1, 10, 14)  # the 200 x 140 test image in 14-pixel patches (Qwen2-VL, Qwen2.5-VL)
 
 
 def export_tiny(folder, out, quantization: str | None = None, **options) -> OnnxDecoder:
@@ -134,14 +137,45 @@ class TextOfVL:
         return self.vl.llm(max_model_len=64, num_kv_blocks=64, **kwargs)
 
 
+def check_vision_graph(label: str, folder, vision, graph, expected_grid: tuple[int, int, int]) -> float:
+    """onnxruntime's image embeddings for one image against our encoder's; returns the max |difference|."""
+    out = AutoImageProcessor.from_pretrained(folder)(images=[image(1, 200, 140)], return_tensors="pt")
+    pixels, grid = out["pixel_values"], tuple(out["image_grid_thw"][0].tolist())
+    assert grid == expected_grid, f"the test image's grid is {grid}"
+    ours = vision(pixels, grid)
+    session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    theirs = torch.from_numpy(session.run(None, {"pixel_values": pixels.numpy()})[0])
+    error, scale = float((theirs - ours).abs().max()), float(ours.abs().max())
+    print(f"{label} vision tower: max |embedding diff| {error:.2e} (largest |value| {scale:.1f})")
+    assert theirs.shape == ours.shape and error <= 1e-4 * scale, f"{label}: vision tower differs by {error:.3e}"
+    return error
+
+
 def test_vision_language_model_exports_its_language_model(tmp_path, greedy_comparison):
     vl = save_tiny_vl("qwen2_vl", tmp_path)
     specials = set(vl.tokenizer.all_special_ids)
     text_prompts = [[t for t in p if t not in specials] for p in prompts(10, [12, 7], vocab=VOCAB)]
-    decoder = export_tiny(vl.folder, tmp_path / "onnx")
+    decoder = export_tiny(vl.folder, tmp_path / "onnx", vision_grid=VISION_GRID)
     onnx_run = generate(decoder, text_prompts, NEW_TOKENS)
     compare_with_engine("qwen2_vl text paged", onnx_run, TextOfVL(vl), greedy_comparison)
-    assert decoder.config["model_type"] == "qwen2_vl" and decoder.config["tokenizer"] == "tokenizer"
+    config = decoder.config
+    assert config["model_type"] == "qwen2_vl" and config["tokenizer"] == "tokenizer"
+    assert config["vision_tower"] == {"graph": "vision", "grid": list(VISION_GRID)}
+    assert config["graphs"]["vision"]["inputs"][0]["shape"] == [140, 1176]
+    loaded = load_model(ModelConfig(model=str(vl.folder), dtype="float32"), resolve_platform("cpu"), "reference")
+    check_vision_graph("qwen2_vl", vl.folder, loaded.vision, tmp_path / "onnx" / "vision.onnx", VISION_GRID)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_5_vl", "qwen3_vl"])
+def test_vision_tower_graph(model_type, tmp_path):
+    """Qwen2.5-VL's windowed blocks and Qwen3-VL's learned positions and DeepStack outputs, as static graphs."""
+    vl = save_tiny_vl(model_type, tmp_path)
+    loaded = load_model(ModelConfig(model=str(vl.folder), dtype="float32"), resolve_platform("cpu"), "reference")
+    grid = VISION_GRID if model_type == "qwen2_5_vl" else (1, 8, 12)  # 16-pixel patches: the same image
+    graph = tmp_path / "vision.onnx"
+    export_vision(loaded, ExportOptions(out=tmp_path, vision_grid=grid), graph)
+    onnx.checker.check_model(str(graph), full_check=True)
+    check_vision_graph(model_type, vl.folder, loaded.vision, graph, grid)
 
 
 def test_float16_export_runs_close_to_float32(tiny_models, tmp_path, greedy_comparison):
