@@ -72,7 +72,9 @@ def run_export(args: argparse.Namespace) -> None:
     if result.matmul_nbits:
         print(f"weights: {result.matmul_nbits} 4-bit projections kept as MatMulNBits")
     if result.dequantized:
-        print(f"weights: {', '.join(result.dequantized)} dequantised to {options.dtype} (ONNX has no such format)")
+        print(f"weights: {', '.join(result.dequantized)} dequantised to {options.dtype}")
+        if "Int4Weight" in result.dequantized and options.int4_weights == "dequantize":
+            print("  (--int4-weights matmulnbits keeps 4-bit projections compressed, for onnxruntime)")
     if result.config["vision_tower"] == "not exported":
         print("vision tower: not exported (--vision-grid T,H,W exports it for one image grid)")
     for graph in result.config["graphs"].values():

@@ -23,7 +23,7 @@ from heteroserve.export.graph_module import GraphDecoder
 from heteroserve.export.kv_layout import kv_layout
 from heteroserve.export.matmul_nbits import TRANSLATIONS, fits_matmul_nbits
 from heteroserve.export.options import ExportOptions
-from heteroserve.export.vision_graph import VisionGraph
+from heteroserve.export.vision_graph import VisionGraph, check_grid
 from heteroserve.model.decoder import DecoderModel
 from heteroserve.model.loader import LoadedModel
 
@@ -162,8 +162,10 @@ def export_onnx(loaded: LoadedModel, options: ExportOptions) -> ExportResult:
         raise ValueError(f"--static seq={options.static['seq']} exceeds --max-model-len {max_len}")
     if max_len > model.rotary.cos.shape[0]:
         raise ValueError(f"--max-model-len {max_len} exceeds the model's {model.rotary.cos.shape[0]} rotary positions")
-    if options.vision_grid is not None and loaded.vision is None:
-        raise ValueError(f"--vision-grid: {loaded.source.name} has no vision tower")
+    if options.vision_grid is not None:
+        if loaded.vision is None:
+            raise ValueError(f"--vision-grid: {loaded.source.name} has no vision tower")
+        check_grid(loaded.vision, options.vision_grid)
     options.out.mkdir(parents=True, exist_ok=True)
     dequantized, matmul_nbits = compressed_formats(model, options.int4_weights)
     module = GraphDecoder(model, options.torch_dtype, kv_layout(options.kv_layout), options.int4_weights).eval()

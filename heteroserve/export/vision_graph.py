@@ -23,16 +23,20 @@ def parse_grid(text: str) -> tuple[int, int, int]:
     return t, h, w
 
 
+def check_grid(encoder: VisionEncoder, grid: tuple[int, int, int]) -> None:
+    t, h, w = grid
+    m = encoder.spec.merge_size
+    if h % m or w % m:
+        raise ValueError(f"--vision-grid {t},{h},{w}: height and width must be multiples of {m} (the merge size)")
+
+
 class VisionGraph(nn.Module):
     def __init__(self, encoder: VisionEncoder, grid: tuple[int, int, int]) -> None:
         super().__init__()
+        check_grid(encoder, grid)
         t, h, w = grid
         spec = encoder.spec
-        m = spec.merge_size
-        if h % m or w % m:
-            raise ValueError(f"--vision-grid {t},{h},{w}: height and width must be multiples of {m} (merge size)")
         self.encoder = encoder
-        self.grid = grid
         self.num_patches = t * h * w
         self.patch_features = encoder.patch_embed.proj.weight[0].numel()
         with torch.no_grad():
