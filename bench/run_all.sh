@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the benchmarks of ../shared/bench/WORKLOAD.md serially (nothing else should run meanwhile) and
 # writes bench/results/. Float32 (the default model dequantised: --quantization none) against transformers,
-# then the default model as shipped (4-bit). Takes about 30-35 minutes on a 2-core machine.
+# then the default model as shipped (4-bit), then vLLM's CPU build where scripts/setup-vllm-peer.sh installed it.
+# Takes about 30-35 minutes on a 2-core machine without vLLM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
@@ -44,3 +45,14 @@ VL_DIR=$(mktemp -d)
 python -c "import sys; from pathlib import Path; from tests.model.tiny_vl import save_tiny_vl; save_tiny_vl('qwen2_vl', Path(sys.argv[1]))" "$VL_DIR"
 heteroserve bench vision "$VL_DIR/qwen2_vl" --dtype float32 --max-model-len 512 --output-json bench/results/vision_qwen2_vl.json
 rm -rf "$VL_DIR"
+# vLLM's CPU build (../shared/bench/peers.md's set-up) on the same float32 weights, when scripts/setup-vllm-peer.sh
+# has made .venv-vllm: B and D through `LLM.generate`, C against its OpenAI server, alternating rounds with ours.
+if [ -x "${HETEROSERVE_VLLM_VENV:-.venv-vllm}/bin/python" ]; then
+    heteroserve bench throughput --quantization none --scenario B --peer vllm --rounds 3 \
+        --output-json bench/results/scenario_b_vllm.json
+    heteroserve bench throughput --quantization none --scenario D --peer vllm --rounds 2 \
+        --output-json bench/results/scenario_d_vllm.json
+    heteroserve bench serve --quantization none --peer vllm --no-compare-offline --no-enable-prefix-caching \
+        --concurrency 16 --num-requests 16 --input-len 128 --output-len 64 --rounds 3 \
+        --output-json bench/results/scenario_c_vllm.json
+fi

@@ -15,7 +15,7 @@ from heteroserve.bench.workload import jsonl_requests, random_requests, scenario
 from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.engine.llm_engine import LLMEngine
 
-PEERS = ("hf", "llama-cpp")
+PEERS = ("hf", "llama-cpp", "vllm")
 T = TypeVar("T")
 
 
@@ -60,6 +60,17 @@ def runnable_peers(engine: LLMEngine, args, result: dict):
             from heteroserve.bench.hf_peer import HFPeer
 
             yield name, HFPeer(source, engine.dtype)
+            continue
+        if name == "vllm":
+            from heteroserve.bench.hf_folder import hf_checkpoint_folder
+            from heteroserve.bench.vllm_peer import VLLMPeer, vllm_missing
+
+            missing = vllm_missing()
+            if missing is not None:
+                print(f"skipping the vllm peer: {missing}")
+                result["peers"][name] = {"skipped": missing}
+                continue
+            yield name, VLLMPeer(hf_checkpoint_folder(source), engine.dtype, engine.max_model_len)
             continue
         from heteroserve.bench.llama_cpp_peer import LlamaCppPeer, llama_cpp_missing
 

@@ -121,9 +121,10 @@ def summarize(wall_s: float, timings: list[RequestTiming]) -> dict[str, object]:
 
 
 class OwnServer:
-    """Starts `heteroserve serve` (or, with `command`, another heteroserve command that serves HTTP) on a
-    free local port, for a self-contained run, in this process's environment: with OMP_WAIT_POLICY=PASSIVE
-    a 128-token prefill took 40 ms longer (OpenMP workers wake up for every operator)."""
+    """Starts `heteroserve serve` (or, with `command`, another heteroserve command that serves HTTP, or with
+    `python` too, a peer's server) on a free local port, for a self-contained run, in this process's environment:
+    with OMP_WAIT_POLICY=PASSIVE a 128-token prefill took 40 ms longer (OpenMP workers wake up for every
+    operator)."""
 
     def __init__(
         self,
@@ -133,8 +134,12 @@ class OwnServer:
         command: list[str] | None = None,
         env: dict[str, str] | None = None,
         port: int | None = None,
+        python: str = sys.executable,
+        ready_path: str = "/health/ready",
     ) -> None:
-        """`env`: variables added to this process's; `port`: a given one (a restart) rather than a free one."""
+        """`env`: variables added to this process's; `port`: a given one (a restart) rather than a free one;
+        `python`: the interpreter running `command` (another virtualenv's for a peer's server); `ready_path`: what
+        answers 200 once the model is loaded."""
         if port is None:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
@@ -142,7 +147,7 @@ class OwnServer:
         self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
         command = command or ["heteroserve.entrypoints.openai.api_server", "--uvicorn-log-level", "warning"]
-        argv = [sys.executable, "-m", *command, "--host", "127.0.0.1", "--port", str(self.port), *flags]
+        argv = [python, "-m", *command, "--host", "127.0.0.1", "--port", str(self.port), *flags]
         if model:
             argv += ["--model", model]
         self.process = subprocess.Popen(
@@ -156,7 +161,7 @@ class OwnServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{' '.join(command)} exited with code {self.process.returncode}")
             try:
-                if httpx.get(f"{self.url}/health/ready", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}{ready_path}", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

@@ -12,6 +12,7 @@ import httpx
 
 from heteroserve.bench.engine_runs import run_batch, time_to_first_token
 from heteroserve.bench.harness import build_engine, dataset, write_report
+from heteroserve.bench.hf_folder import hf_checkpoint_folder
 from heteroserve.bench.serve import OwnServer, run_clients, start_gateway, summarize
 from heteroserve.bench.serve_pairs import (
     TTFT_OUTPUT_LEN,
@@ -23,6 +24,7 @@ from heteroserve.bench.serve_pairs import (
     pooled_rounds,
     served_throughput,
 )
+from heteroserve.bench.vllm_peer import SERVED_MODEL_NAME, start_vllm_server, vllm_dtype, vllm_missing
 from heteroserve.bench.workload import fingerprint
 from heteroserve.model.loader import load_tokenizer
 from heteroserve.model.loader.source import resolve_model
@@ -79,8 +81,10 @@ def _check_args(args: argparse.Namespace) -> tuple[bool, bool]:
         raise SystemExit(f"--ttft-rounds must be between 1 and --ttft-requests ({args.ttft_requests})")
     if args.ttft_rounds > 1 and not own:
         raise SystemExit("--ttft-rounds above 1 restarts the server: drop --base-url")
-    if args.rounds < 1 or (args.rounds > 1 and not (compare or args.gateway)):
-        raise SystemExit("--rounds must be at least 1, and above 1 only with --compare-offline or --gateway")
+    if any(peer != "vllm" for peer in args.peer):
+        raise SystemExit("bench serve's only peer is vllm (its OpenAI server)")
+    if args.rounds < 1 or (args.rounds > 1 and not (compare or args.gateway or args.peer)):
+        raise SystemExit("--rounds must be at least 1, and above 1 only with --compare-offline, --gateway or --peer")
     return own, compare
 
 
@@ -149,6 +153,27 @@ def _gateway_comparison(url: str, serving: dict, direct, prompts: ServePrompts, 
     return via_gateway
 
 
+def _vllm_comparison(serving: dict, direct, prompts: ServePrompts, args: argparse.Namespace) -> dict:
+    """vLLM's OpenAI server on the same weights and the same clients as ours: its first round right after ours,
+    then later rounds alternating which server goes first (each idles while the other is measured)."""
+    folder = hf_checkpoint_folder(resolve_model(args.model))
+    dtype = vllm_dtype(args.dtype, folder)
+    print("starting vLLM's OpenAI server (the first start compiles for minutes)")
+    server = start_vllm_server(folder, dtype, args.max_model_len, args.enable_prefix_caching)
+    try:
+        theirs, _ = _measure(server.url, SERVED_MODEL_NAME, prompts, args)
+        first = (serving["output_tokens_per_s"], theirs["output_tokens_per_s"])
+        through = served_throughput(server.url, args, SERVED_MODEL_NAME)
+        pairs = alternate_throughput(first, direct, through, prompts.later_rounds)
+    finally:
+        server.stop()
+    ratios = [ours / vllm for ours, vllm in pairs]
+    theirs["throughput_rounds"] = pooled_rounds(pairs, ("heteroserve", "vllm"), ratios)
+    theirs["heteroserve_ratio"] = theirs["throughput_rounds"]["ratio"]
+    theirs["weights"] = f"{folder} in {dtype}"
+    return theirs
+
+
 def run_serve_bench(args: argparse.Namespace) -> None:
     own, compare = _check_args(args)
     prompts = _prompts(args)
@@ -163,9 +188,17 @@ def run_serve_bench(args: argparse.Namespace) -> None:
         raise SystemExit(f"cannot reach an OpenAI-compatible server at {url}: {exc}") from exc
 
     via_gateway = offline = None
+    peers: dict[str, dict] = {}
     try:
         serving, timings = _measure(url, args.served_model, prompts, args)
         direct = served_throughput(url, args, args.served_model)
+        if args.peer:  # before the other comparisons, so no later round's prompts are in our prefix cache yet
+            missing = vllm_missing()
+            if missing is not None:
+                print(f"skipping the vllm peer: {missing}")
+                peers["vllm"] = {"skipped": missing}
+            else:
+                peers["vllm"] = _vllm_comparison(serving, direct, prompts, args)
         if compare:
             offline, engine = _offline_comparison(serving, direct, prompts, args)
         if args.gateway:
@@ -196,7 +229,7 @@ def run_serve_bench(args: argparse.Namespace) -> None:
         "rounds": args.rounds,
         "prompt_fingerprint": fingerprint([p for p, _ in requests]),
         "heteroserve": serving,
-        "peers": {},
+        "peers": peers,
         "latency_samples_ms": {
             "TTFT": [1000 * t.ttft_s for t in timings if t.ttft_s is not None],
             "inter-token": [1000 * x for t in timings for x in t.inter_token_s],
@@ -208,6 +241,8 @@ def run_serve_bench(args: argparse.Namespace) -> None:
         f"{args.concurrency}; TTFT p50 {serving['ttft_ms']['p50']:.0f} ms p99 {serving['ttft_ms']['p99']:.0f} ms; "
         f"inter-token p50 {serving['inter_token_ms']['p50']:.1f} ms; errors {len(serving['errors'])}"
     )
+    if "throughput_rounds" in peers.get("vllm", {}):
+        _report_vllm(peers["vllm"])
     if via_gateway is not None:
         _report_gateway(result, serving, via_gateway)
     if offline is not None:
@@ -227,6 +262,14 @@ def _report_gateway(result: dict, serving: dict, via_gateway: dict) -> None:
         f"TTFT at concurrency 1 over {pairs['pairs']} "
         f"paired requests: median difference {pairs['overhead_p50_ms']:+.1f} ms (p50 through the gateway "
         f"{gateway_p50:.1f} ms, direct {direct_p50:.1f} ms)"
+    )
+
+
+def _report_vllm(theirs: dict) -> None:
+    print(
+        f"vLLM's server: {theirs['output_tokens_per_s']:.1f} output tok/s; TTFT p50 {theirs['ttft_ms']['p50']:.0f} "
+        f"ms; inter-token p50 {theirs['inter_token_ms']['p50']:.1f} ms -> heteroserve reaches "
+        f"{theirs['heteroserve_ratio']:.0%} of its throughput{_over_rounds(theirs)}"
     )
 
 

@@ -143,13 +143,11 @@ def _lora_rounds(engine: LLMEngine, requests, args, result: dict) -> None:
 
 def _peer_configurations(name: str, peer, args, requests, run: BatchRun):
     """(label, figures) of each configuration of one peer, run right after our own run of this round."""
-    batches = [int(b) for b in args.hf_batch.split(",") if b] if name == "hf" else [1]
-    for batch in batches:
+    for label, batch in _configurations(name, args, len(requests)):
         subset = requests[: args.hf_requests] if batch == 1 and args.hf_requests else requests
         peer_run = peer.run_batches(subset, batch)
         scale = len(requests) / len(subset)
         tps = peer_run.output_tokens / peer_run.wall_s
-        label = f"{name}_static_{batch}" if batch > 1 else f"{name}_one_at_a_time"
         yield (
             label,
             {
@@ -162,6 +160,15 @@ def _peer_configurations(name: str, peer, args, requests, run: BatchRun):
                 "weights": peer.weights,
             },
         )
+
+
+def _configurations(name: str, args, num_requests: int) -> list[tuple[str, int]]:
+    """(label, requests submitted at a time) of each way one peer runs the batch: transformers' static batches of
+    --hf-batch, vLLM's continuous batching over every request at once as ours, llama.cpp one at a time."""
+    if name == "vllm":
+        return [(f"{name}_all_at_once", num_requests)]
+    batches = [int(b) for b in args.hf_batch.split(",") if b] if name == "hf" else [1]
+    return [(f"{name}_static_{batch}" if batch > 1 else f"{name}_one_at_a_time", batch) for batch in batches]
 
 
 def _describe(measured: dict) -> str:

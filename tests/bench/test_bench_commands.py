@@ -223,6 +223,7 @@ def test_serve_against_a_running_server(server, tmp_path):
         (["serve", "--base-url", "http://127.0.0.1:9", "--ttft-rounds", "2"], "restarts the server"),
         (["serve", "--ttft-requests", "2", "--ttft-rounds", "3"], "between 1 and --ttft-requests"),
         (["serve", "--base-url", "http://127.0.0.1:9", "--rounds", "2"], "above 1 only with --compare-offline"),
+        (["serve", "--peer", "hf"], "only peer is vllm"),
         (["latency", "--speculative-config", '{"method": "eagle"}'], "speculative method must be 'ngram'"),
         (["latency", "--speculative-config", "ngram"], "invalid speculative config"),
     ],
