@@ -7,6 +7,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -64,6 +65,7 @@ def stand_in(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("HETEROSERVE_VLLM_VENV", str(tmp_path / "venv"))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
     monkeypatch.setenv("STAND_IN_RECORD", str(tmp_path / "record.json"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the runner's log
     return tmp_path / "record.json"
 
 
