@@ -121,7 +121,6 @@ class CpuLinear(LinearOp):
         packed_float32: bool = False,
         int4_kernel: bool = False,
         int8_kernel: bool = False,
-        bf16_gemm: bool = False,
     ) -> None:
         super().__init__(
             {
@@ -135,7 +134,6 @@ class CpuLinear(LinearOp):
         self.packed_float32 = packed_float32 and dtype == torch.float32
         self.int4_kernel = int4_kernel
         self.int8_kernel = int8_kernel
-        self.bf16_gemm = bf16_gemm  # native bfloat16 multiplies: 4-bit weights in large batches use them
         self.name = "cpp packed gemm" if self.packed_float32 else "onednn-packed"
 
     def _prepare_dense(self, weight: torch.Tensor) -> torch.Tensor | CpuPackedWeight:
@@ -145,7 +143,7 @@ class CpuLinear(LinearOp):
 
     def _prepare_int4(self, weight: Int4Weight) -> Int4Weight | CpuInt4Weight:
         if self.int4_kernel and CpuInt4Weight.supports(weight):
-            return CpuInt4Weight.pack(weight, self.bf16_gemm)
+            return CpuInt4Weight.pack(weight)
         return weight
 
     def _prepare_int8(self, weight: Int8Weight) -> torch.Tensor | CompressedWeight:
@@ -250,7 +248,6 @@ class CpuPlatform(Platform):
                 packed_float32=packed_float32,
                 int4_kernel=_int4_kernel_works(),
                 int8_kernel=_int8_kernel_works(),
-                bf16_gemm=bool(self.isa & {"avx512_bf16", "amx_bf16"}),
             )
         return LinearOp()
 

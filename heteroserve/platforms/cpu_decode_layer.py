@@ -11,15 +11,15 @@ from collections.abc import Callable
 
 import torch
 
-from heteroserve.platforms.cpu_int4 import DECODE_VNNI_MAX_ROWS, PANEL_MIN_ROWS, CpuInt4Weight
+from heteroserve.platforms.cpu_int4 import CpuInt4Weight
 from heteroserve.platforms.cpu_packed import CpuPackedWeight
 from heteroserve.platforms.operators import DecodeLayerWeights
 
 # The projection formats decode_layer.cpp reads, each as the tensors it takes: [panels] for packed float32,
-# [packed, scales_and_zeros, scale_zero] for torch-layout 4-bit.
+# [packed, scale_zero] for torch-layout 4-bit.
 FUSED_FORMATS: dict[type, Callable[..., list[torch.Tensor]]] = {
     CpuPackedWeight: lambda p: [p.packed],
-    CpuInt4Weight: lambda p: [p.packed, p.scales_and_zeros, p.scale_zero],
+    CpuInt4Weight: lambda p: [p.packed, p.scale_zero],
 }
 
 
@@ -33,7 +33,6 @@ class CpuFusedDecodeLayer:
         self.out_features = [p.shape[0] for p in projections]
         self.qkv_bias, self.eps, self.num_heads, self.scale = w.qkv_bias, w.eps, w.num_heads, w.scale
         self.cos, self.sin = w.cos, w.sin
-        self.vnni_max_rows = DECODE_VNNI_MAX_ROWS
 
     def __call__(self, x, positions, k_cache, v_cache, meta) -> torch.Tensor:
         return torch.ops.heteroserve.decode_layer(
@@ -53,8 +52,6 @@ class CpuFusedDecodeLayer:
             meta.decode_mask,
             self.num_heads,
             self.scale,
-            PANEL_MIN_ROWS,
-            self.vnni_max_rows,
         )
 
 

@@ -6,8 +6,7 @@ it every operator falls back to torch's reference (scenario B of the benchmark r
 architecture (the x86-64 psABI levels, as distributions and llama.cpp's CPU variants do) into
 $HETEROSERVE_PREBUILT_KERNELS, or share/heteroserve/cpu-kernels under the Python environment, which the image
 carries; at run time the most capable level this CPU supports is loaded. A level's build differs from a
-`-march=native` one only in tuning: the kernels use the vector width (AVX-512, AVX2, SSE/NEON) and, in one
-level, AVX512-VNNI with VBMI for the 4-bit decode kernel.
+`-march=native` one only in tuning: the kernels use the vector width (AVX-512, AVX2, SSE/NEON).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ class KernelVariant:
     name: str  # also the library's name: an identifier
     march: str
     needs: frozenset[str]  # /proc/cpuinfo flags the level's code may use
-    extensions: tuple[str, ...] = ()  # compiler flags beyond the level's -march
 
 
 _X86_64_V3 = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"})
@@ -33,11 +31,6 @@ _X86_64_V4 = _X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx51
 # Most capable first, per architecture (platform.machine()).
 VARIANTS: dict[str, tuple[KernelVariant, ...]] = {
     "x86_64": (
-        # Ice Lake, Sapphire Rapids and later Xeons, AMD Zen 4 and later: the 4-bit decode kernel's integer dot
-        # products (csrc/int4_vnni_linear.cpp).
-        KernelVariant(
-            "x86_64_v4_vnni", "x86-64-v4", _X86_64_V4 | {"avx512_vnni", "avx512vbmi"}, ("-mavx512vnni", "-mavx512vbmi")
-        ),
         KernelVariant("x86_64_v4", "x86-64-v4", _X86_64_V4),
         KernelVariant("x86_64_v3", "x86-64-v3", _X86_64_V3),
         KernelVariant("x86_64", "x86-64", frozenset()),
@@ -62,8 +55,7 @@ def prebuilt_root() -> Path:
 
 
 def variant_cflags(variant: KernelVariant, native_cflags: list[str]) -> list[str]:
-    level = [f"-march={variant.march}", *variant.extensions]
-    return [part for flag in native_cflags for part in (level if flag == "-march=native" else [flag])]
+    return [f"-march={variant.march}" if flag == "-march=native" else flag for flag in native_cflags]
 
 
 def compiler_available() -> bool:

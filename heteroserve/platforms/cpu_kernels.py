@@ -11,8 +11,8 @@
   the logits: 0.8 against torch's `max`'s 2.1 ms over scenario B's 64 x 49152 logits (2-core Xeon).
 - `torch.ops.heteroserve.pack_linear_weight` / `packed_linear` (csrc/packed_linear.cpp): the float32 GEMM for
   every batch size, called by cpu_packed.CpuPackedWeight through the platform's linear op; `int4_panel_linear`
-  (csrc/int4_panel_linear.cpp) runs the same tile on 4-bit weights dequantised block by block (cpu_int4), and
-  `int4_vnni_linear` (csrc/int4_vnni_linear.cpp) a few decode rows on them with 8-bit activations (VNNI).
+  (csrc/int4_panel_linear.cpp) multiplies 4-bit weights in float32 at every batch size with one order of
+  summation (cpu_int4): a few rows straight from the nibbles, more on the GEMM's tile shape.
 - `torch.ops.heteroserve.decode_layer` (csrc/decode_layer.cpp): the kernels above chained for one decoder layer
   of a decode-only step (cpu_decode_layer.py), so that no Python runs between them.
 - `torch.ops.heteroserve.int8_grouped_linear` (csrc/int8_grouped_linear.cpp): grouped 8-bit weights read in
@@ -205,12 +205,6 @@ def load_library() -> bool:
 def int8_panel_available() -> bool:
     """Whether the library has the 8-bit panel GEMM (int8_grouped_linear.cpp; AVX-512 builds)."""
     return load_library() and bool(torch.ops.heteroserve.int8_panel_available())
-
-
-@functools.cache
-def int4_vnni_available() -> bool:
-    """Whether the loaded library has the VNNI 4-bit decode kernel (built for a CPU with AVX512-VNNI and VBMI)."""
-    return load_library() and bool(torch.ops.heteroserve.int4_vnni_available())
 
 
 def loaded_build() -> str:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from heteroserve.platforms import cpu_kernels
-from heteroserve.platforms.cpu_int4 import DECODE_VNNI_MAX_ROWS, PANEL_MIN_ROWS, CpuInt4Weight
+from heteroserve.platforms.cpu_int4 import CpuInt4Weight
 from tests.model.tiny_models import greedy_params, prompts, run, save_tiny
 
 
@@ -28,7 +28,7 @@ def _logprob_rows(output) -> torch.Tensor:
 
 
 # qwen2: q/k/v biases; mistral: a sliding window shorter than the prompts; llama3: scaled rotary tables;
-# int4: 4-bit projections (our VNNI kernel, else torch's int4 kernel, below 8 rows; our panel kernel from 8).
+# int4: 4-bit projections (our C++ kernel, at every row count).
 # qwen3: per-head q/k norms, head_dim 32 != hidden / heads. float16 / bfloat16: a 16-bit KV cache the fused layer
 # writes and reads as the operators do.
 CASES = [
@@ -54,9 +54,7 @@ def test_fused_layer_matches_operator_by_operator(name, quantization, kv_cache_d
         pytest.skip("torch's CPU int4 kernel is not usable here")
     fused = [layer.fused_decode for layer in layers]
     assert all(f is not None for f in fused), "every layer takes the fused decode path"
-    for f in fused:  # the 4-bit kernel choice of the operator-by-operator path, which cannot tell decode rows apart
-        f.vnni_max_rows = PANEL_MIN_ROWS - 1
-    # 9 decode rows (4-bit: the panel kernel), then 3 (4-bit: the VNNI kernel or torch's int4 kernel)
+    # 9 decode rows, then 3
     batches = [prompts(5, [3, 17, 9, 30, 5, 11, 8, 21, 2], tiny.vocab_size), prompts(6, [4, 19, 7], tiny.vocab_size)]
     params = greedy_params(tiny.vocab_size, prompt_logprobs=False)
 
@@ -82,25 +80,20 @@ def test_fused_layer_matches_operator_by_operator(name, quantization, kv_cache_d
         torch.testing.assert_close(_logprob_rows(a), _logprob_rows(b), atol=1e-5, rtol=0)
 
 
-def test_4bit_decode_rows_are_rounded_alike_alone_and_in_a_batch(tmp_path):
-    """Decode-only steps of up to DECODE_VNNI_MAX_ROWS rows take the VNNI kernel (8-bit activations per row): a
-    request decoded in a batch of 9 gets the tokens and logprobs it gets alone (prompts of 8+ tokens, so that
-    every prompt is prefilled by the float32 panel kernel alone as well as batched)."""
-    if not cpu_kernels.int4_vnni_available():
-        pytest.skip("no AVX512-VNNI/VBMI here: decode rows of 8+ take the panel kernel")
+def test_4bit_decode_rows_are_alike_alone_and_in_a_batch(tmp_path):
+    """4-bit rows give the same bits at every row count (csrc/int4_panel_linear.cpp): a request decoded in a batch
+    of 9 gets exactly the tokens and logprobs it gets alone."""
     tiny = save_tiny("qwen2", tmp_path)
     llm = tiny.llm(block_size=8, quantization="int4", enable_prefix_caching=False)
-    layers = _model(llm).layers
-    if not isinstance(layers[0].gate_up_proj, CpuInt4Weight):
+    if not isinstance(_model(llm).layers[0].gate_up_proj, CpuInt4Weight):
         pytest.skip("torch's CPU int4 kernel is not usable here")
-    assert all(layer.fused_decode.vnni_max_rows == DECODE_VNNI_MAX_ROWS for layer in layers)
     batch = prompts(7, [8, 17, 9, 30, 12, 11, 8, 21, 10], tiny.vocab_size)
     params = greedy_params(tiny.vocab_size, prompt_logprobs=False)
     together = run(llm, batch, params)
     for prompt, output in zip(batch, together, strict=True):
         alone = run(llm, [prompt], params)[0]
         assert output.outputs[0].token_ids == alone.outputs[0].token_ids
-        torch.testing.assert_close(_logprob_rows(output), _logprob_rows(alone), atol=1e-5, rtol=0)
+        torch.testing.assert_close(_logprob_rows(output), _logprob_rows(alone), atol=0, rtol=0)
 
 
 def test_not_fused_where_the_kernel_lacks_the_weight_format(tmp_path):

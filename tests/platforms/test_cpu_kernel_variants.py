@@ -25,8 +25,7 @@ import json, torch
 from heteroserve.platforms import cpu_kernels
 from heteroserve.platforms.cpu import CpuPlatform
 loaded = cpu_kernels.load_library()
-result = {"loaded": loaded, "build": cpu_kernels.loaded_build(), "describe": CpuPlatform().describe()["cpp_kernels"],
-          "int4_vnni": cpu_kernels.int4_vnni_available()}
+result = {"loaded": loaded, "build": cpu_kernels.loaded_build(), "describe": CpuPlatform().describe()["cpp_kernels"]}
 if loaded:
     x, w, b = torch.randn(37, 200), torch.randn(300, 200), torch.randn(300)
     packed = torch.ops.heteroserve.pack_linear_weight(w)
@@ -42,7 +41,6 @@ def names(flags: set[str], machine: str) -> list[str]:
 
 def test_levels_follow_the_cpu_flags():
     assert names(AVX512, "x86_64") == ["x86_64_v4", "x86_64_v3", "x86_64"]
-    assert names(AVX512 | {"avx512_vnni", "avx512vbmi"}, "x86_64")[:2] == ["x86_64_v4_vnni", "x86_64_v4"]
     assert names(AVX2 | {"avx512f"}, "x86_64") == ["x86_64_v3", "x86_64"]  # AVX-512 F alone is not level 4
     assert names(AVX2 - {"fma"}, "AMD64") == ["x86_64"]
     assert names(set(), "aarch64") == names({"asimd", "asimddp"}, "arm64") == ["armv8_a"]
@@ -93,7 +91,6 @@ def test_without_a_compiler_the_best_prebuilt_level_for_this_cpu_is_loaded(prebu
     result, _ = probe(tmp_path, prebuilt[0])
     assert result["loaded"] and result["build"] == result["describe"] == f"prebuilt {best.name}"
     assert result["max_error"] < 1e-4
-    assert result["int4_vnni"] == (best.name == "x86_64_v4_vnni")
 
 
 def test_a_lower_level_is_loaded_when_the_best_is_missing(prebuilt, tmp_path):
@@ -110,5 +107,5 @@ def test_a_lower_level_is_loaded_when_the_best_is_missing(prebuilt, tmp_path):
 
 def test_without_a_compiler_or_prebuilt_build_the_reference_remains(tmp_path):
     result, stderr = probe(tmp_path, tmp_path / "nothing-here")
-    assert result == {"loaded": False, "build": "none", "describe": "none", "int4_vnni": False}
+    assert result == {"loaded": False, "build": "none", "describe": "none"}
     assert "no C++ compiler" in stderr and "no prebuilt" in stderr and "reference operators" in stderr

@@ -6,7 +6,6 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/add.h>
 #include <torch/library.h>
 
@@ -51,25 +50,12 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
 }
 
 // A projection as the platform's linear op prepared it: [panels] of float32 (cpu_packed.py), or 4-bit
-// [packed, scales_and_zeros, scale_zero] (cpu_int4.py). 4-bit rows take our VNNI kernel up to
-// `int4_vnni_max_rows` where the library has it (a decode row's activations rounded to 8 bits per 32 inputs,
-// whatever else is in the batch), else our panel kernel from `int4_panel_min_rows` rows and torch's int4 kernel
-// below.
-at::Tensor project(const at::Tensor& x, at::TensorList weight, int64_t N, const std::optional<at::Tensor>& bias,
-                   int64_t int4_panel_min_rows, int64_t int4_vnni_max_rows) {
+// [packed, scale_zero] (cpu_int4.py), each on the kernel its linear op uses for any number of rows, so a decode
+// row here gets the bits it would get in a prompt.
+at::Tensor project(const at::Tensor& x, at::TensorList weight, int64_t N, const std::optional<at::Tensor>& bias) {
   if (weight.size() == 1) return heteroserve::packed_linear(x, weight[0], N, bias);
-  TORCH_CHECK(weight.size() == 3, "decode_layer: a projection is [panels] or [packed, scales_and_zeros, scale_zero]");
-  at::Tensor out;
-  const int64_t K = weight[0].size(1), group = K / weight[2].size(1), rows = x.size(0);
-  if (heteroserve::int4_vnni_available() && group % 32 == 0 && rows <= int4_vnni_max_rows) {
-    out = heteroserve::int4_vnni_linear(x, weight[0], weight[2]);
-  } else if (rows >= int4_panel_min_rows) {
-    out = heteroserve::int4_panel_linear(x, weight[0], weight[2]);
-  } else {
-    out = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), weight[0].view({N, K / 2}), K / weight[1].size(0),
-                                          weight[1])
-              .to(at::kFloat);
-  }
+  TORCH_CHECK(weight.size() == 2, "decode_layer: a projection is [panels] or [packed, scale_zero]");
+  const at::Tensor out = heteroserve::int4_panel_linear(x, weight[0], weight[1]);
   return bias.has_value() ? out.add_(*bias) : out;
 }
 
@@ -80,8 +66,7 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorLis
                         const std::optional<at::Tensor>& qkv_bias, double eps, const at::Tensor& positions,
                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
-                        const at::Tensor& mask, int64_t num_heads, double scale, int64_t int4_panel_min_rows,
-                        int64_t int4_vnni_max_rows) {
+                        const at::Tensor& mask, int64_t num_heads, double scale) {
   TORCH_CHECK((norms.size() == 2 || norms.size() == 4) && out_features.size() == 4,
               "decode_layer: 2 or 4 norms and 4 output sizes");
   TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -96,7 +81,7 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorLis
   TORCH_CHECK(out_features[0] == q_size + 2 * kv_size, "decode_layer: qkv has ", out_features[0], " outputs");
 
   auto linear = [&](const at::Tensor& in, at::TensorList w, int64_t N, const std::optional<at::Tensor>& bias) {
-    return project(in, w, N, bias, int4_panel_min_rows, int4_vnni_max_rows);
+    return project(in, w, N, bias);
   };
   const at::Tensor qkv = linear(heteroserve::rms_norm(x, norms[0], eps), qkv_w, out_features[0], qkv_bias);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
@@ -121,6 +106,6 @@ TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
   m.def("decode_layer(Tensor x, Tensor[] norms, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, Tensor[] down, "
         "int[] out_features, Tensor? qkv_bias, float eps, Tensor positions, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor mask, int num_heads, "
-        "float scale, int int4_panel_min_rows, int int4_vnni_max_rows) -> Tensor");
+        "float scale) -> Tensor");
   m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
 }

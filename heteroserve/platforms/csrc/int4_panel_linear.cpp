@@ -1,10 +1,24 @@
-// y = x W^T for 4-bit weights in torch's CPU int4 layout, in float32 arithmetic, for batches of more than a few
-// rows. The layout is [N / 64, K, 32] bytes: byte j of input column k holds row j of the block in its low nibble
-// and row j + 32 in its high one, so a block of 64 output rows is already laid out column by column, as our
-// float32 GEMM's panels are (packed_tile.h). Each block is dequantised once, w = (q - 8) * scale + zero, into a
-// thread-local buffer of panels that stays in L2, and multiplied there by every row of x: the weight crosses
-// memory at 4 bits, and the multiplies run at the float32 GEMM's pace. torch's int4 kernel rounds activations
-// to bfloat16 and, on a CPU without AVX512-BF16, took 1.6x the float32 GEMM's time for scenario B.
+// y = x W^T for 4-bit weights in torch's CPU int4 layout, in float32 arithmetic, for every number of rows. The
+// layout is [N / 64, K, 32] bytes: byte j of input column k holds row j of the block in its low nibble and row
+// j + 32 in its high one, so a block of 64 output rows is already laid out column by column, as our float32 GEMM's
+// panels are (packed_tile.h).
+//
+// With w = (q - 8) s + z = q s + z' per group g of inputs (z' = z - 8 s), every output is computed as
+//   y = sum over g, in order, of  s_g * P_g  then  z'_g * X_g,   P_g = sum_{k in g} x_k q_k,  X_g = sum_{k in g} x_k,
+// each sum taken in order of k from zero in float32 (fused multiply-adds). Both paths below add exactly these
+// terms in this order, so a row's result does not depend on how many rows it is multiplied with (a decode row
+// gets the bits the same row gets inside a prompt: the batch-invariance tests rely on it):
+// - a few rows (decode): straight from the nibbles, 16 weights converted at a time and used by up to 4 rows;
+//   one multiply-add per weight and row (the scales come in once per group), so reading the 4 bits from memory,
+//   not arithmetic, bounds a decode row, as in llama.cpp's or our former 8-bit-activation kernel;
+// - more rows (prefill): each block's q is expanded once into a thread-local buffer of float panels that stays in
+//   L2 and multiplied there on the GEMM's tile shape, a group at a time.
+// torch's int4 kernel rounds activations to bfloat16; 8-bit activations (llama.cpp's Q8) changed the default
+// model's answer to the demo question when its prompt rows took them.
+
+// The library is built allowing reassociation (cpu_kernels.CFLAGS), under which GCC regrouped a sum whose
+// accumulators spilled (tiles of 11-12 rows, AVX2's 16 registers): here the order above is the point.
+#pragma GCC optimize("no-associative-math")
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -14,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -27,10 +42,15 @@ namespace {
 
 using namespace heteroserve;
 
-constexpr int64_t kBlock = 64;  // output rows per block of torch's layout
+constexpr int64_t kBlock = 64;         // output rows per block of torch's layout
+constexpr int64_t kDirectRows = 16;    // below this many rows, no panels: measured in cpu_int4.py
+constexpr int kDirectPass = 4;         // rows per pass over a block: 4 x 4 x 2 accumulators in registers
+constexpr int64_t kDirectPrefetch = 32;  // columns ahead of the direct path's reads
+// Rows per tile of the panel path: its per-group and running sums (4 x rows vectors) stay in registers.
+constexpr int kGroupTileRows = kTileRows / 2;
 typedef float f32x16 __attribute__((vector_size(64)));
 
-// The 64 weights of one input column of a block, as floats: rows 0-15, 16-31 (low nibbles), 32-47, 48-63.
+// The 64 4-bit values of one input column of a block, as floats: rows 0-15, 16-31 (low nibbles), 32-47, 48-63.
 inline void unpack_column(const uint8_t* p, f32x16 q[4]) {
 #if defined(__AVX512F__)
   for (int half = 0; half < 2; ++half) {
@@ -48,32 +68,114 @@ inline void unpack_column(const uint8_t* p, f32x16 q[4]) {
 #endif
 }
 
-// Block b's 64 rows as 64 / kPanel panels [K, kPanel] in `panels`. scale_zero: the block's float32
-// [groups, 2, 64] (per group its 64 rows' scales, then their zeros).
-void dequantise_block(const uint8_t* block, const float* scale_zero, int64_t groups, int64_t K,
-                      float* panels) {
+// X_g of every row: [M, groups], each a sum in order of k (one loop, so both paths read the same bits).
+std::vector<float> group_sums(const float* x, int64_t M, int64_t K, int64_t group) {
+  std::vector<float> sums(M * (K / group));
+  for (int64_t i = 0; i < M * (K / group); ++i) {
+    float total = 0.f;
+    for (int64_t k = 0; k < group; ++k) total += x[i * group + k];
+    sums[i] = total;
+  }
+  return sums;
+}
+
+// Group g's scale and shifted zero z' = z - 8 s (8 s is exact, so z' is one rounding however it is computed) for
+// `lanes` output rows starting at `first` of a block; scale_zero: the block's [groups, 2, 64].
+template <typename V>
+inline void group_scale(const float* scale_zero, int64_t g, int first, V& s, V& z) {
+  std::memcpy(&s, scale_zero + 2 * g * kBlock + first, sizeof(V));
+  std::memcpy(&z, scale_zero + (2 * g + 1) * kBlock + first, sizeof(V));
+  z -= 8.f * s;
+}
+
+// A group's terms added to an accumulator, in the one order both paths use.
+template <typename V>
+inline V add_group(V acc, V s, V part, V z, float x_sum) {
+  acc += s * part;
+  acc += z * x_sum;
+  return acc;
+}
+
+// Rows [0, ROWS) of x times block b straight from its nibbles: out[r, 0:64] (row stride N).
+template <int ROWS>
+void block_rows(const uint8_t* block, const float* scale_zero, int64_t groups, int64_t K, const float* x,
+                const float* x_sums, float* out, int64_t N) {
   const int64_t group = K / groups;
-  constexpr int chunk = std::min(16, kPanel);  // floats stored together: one panel's share of 16 rows
+  f32x16 acc[ROWS][4] = {};
   for (int64_t g = 0; g < groups; ++g) {
-    f32x16 s[4], z[4];
-    for (int j = 0; j < kBlock; ++j) {
-      const float scale = scale_zero[2 * g * kBlock + j], zero = scale_zero[(2 * g + 1) * kBlock + j];
-      s[j / 16][j % 16] = scale;
-      z[j / 16][j % 16] = zero - 8.f * scale;  // (q - 8) s + z = q s + (z - 8 s)
-    }
+    f32x16 part[ROWS][4] = {};
     for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+      __builtin_prefetch(block + (k + kDirectPrefetch) * (kBlock / 2));
       f32x16 q[4];
       unpack_column(block + k * (kBlock / 2), q);
-      for (int v = 0; v < 4; ++v) {
-        const f32x16 w = q[v] * s[v] + z[v];
-        for (int c = 0; c < 16; c += chunk) {
-          const int row = 16 * v + c;
-          std::memcpy(panels + ((row / kPanel) * K + k) * kPanel + row % kPanel,
-                      reinterpret_cast<const float*>(&w) + c, chunk * sizeof(float));
-        }
+      for (int r = 0; r < ROWS; ++r) {
+        const float xr = x[r * K + k];
+        for (int v = 0; v < 4; ++v) part[r][v] += xr * q[v];
+      }
+    }
+    for (int v = 0; v < 4; ++v) {
+      f32x16 s, z;
+      group_scale(scale_zero, g, 16 * v, s, z);
+      for (int r = 0; r < ROWS; ++r) acc[r][v] = add_group(acc[r][v], s, part[r][v], z, x_sums[r * groups + g]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) std::memcpy(out + r * N, acc[r], sizeof(acc[r]));
+}
+
+// Block b's 4-bit values as 64 / kPanel panels [K, kPanel] of floats in `panels`.
+void expand_block(const uint8_t* block, int64_t K, float* panels) {
+  constexpr int chunk = std::min(16, kPanel);  // floats stored together: one panel's share of 16 rows
+  for (int64_t k = 0; k < K; ++k) {
+    f32x16 q[4];
+    unpack_column(block + k * (kBlock / 2), q);
+    for (int v = 0; v < 4; ++v) {
+      for (int c = 0; c < 16; c += chunk) {
+        const int row = 16 * v + c;
+        std::memcpy(panels + ((row / kPanel) * K + k) * kPanel + row % kPanel,
+                    reinterpret_cast<const float*>(&q[v]) + c, chunk * sizeof(float));
       }
     }
   }
+}
+
+// Rows [0, ROWS) of x times panel p of an expanded block: out[r, 0:kPanel]. The tile of packed_tile.h, with the
+// sum restarted per group and the group's terms added as the direct path adds them.
+template <int ROWS>
+void group_tile(const float* x, int64_t K, int64_t groups, const float* x_sums, const float* panel,
+                const float* scale_zero, int p, float* out, int64_t N) {
+  const int64_t group = K / groups;
+  vec acc[ROWS][2] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    vec part[ROWS][2] = {};
+    for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+      __builtin_prefetch(panel + (k + kPrefetch) * kPanel);
+      __builtin_prefetch(panel + (k + kPrefetch) * kPanel + kLanes);
+      const vec w0 = load(panel + k * kPanel), w1 = load(panel + k * kPanel + kLanes);
+      for (int r = 0; r < ROWS; ++r) {
+        const float xr = x[r * K + k];
+        part[r][0] += xr * w0;
+        part[r][1] += xr * w1;
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      vec s, z;
+      group_scale(scale_zero, g, p * kPanel + h * kLanes, s, z);
+      for (int r = 0; r < ROWS; ++r) acc[r][h] = add_group(acc[r][h], s, part[r][h], z, x_sums[r * groups + g]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    store(out + r * N, acc[r][0]);
+    store(out + r * N + kLanes, acc[r][1]);
+  }
+}
+
+template <int ROWS>
+void group_tile_upto(int rows, const float* x, int64_t K, int64_t groups, const float* x_sums, const float* panel,
+                     const float* scale_zero, int p, float* out, int64_t N) {
+  if constexpr (ROWS > 1) {
+    if (rows < ROWS) return group_tile_upto<ROWS - 1>(rows, x, K, groups, x_sums, panel, scale_zero, p, out, N);
+  }
+  group_tile<ROWS>(x, K, groups, x_sums, panel, scale_zero, p, out, N);
 }
 
 }  // namespace
@@ -92,23 +194,49 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& packed, c
                   scale_zero.size(2) == 2 && scale_zero.size(3) == kBlock,
               "int4_panel_linear: scale_zero must be contiguous float32 [N / 64, K / group, 2, 64]");
   const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), groups = scale_zero.size(1);
+  const int64_t M = x.size(0), groups = scale_zero.size(1), group = K / groups;
   at::Tensor out = at::empty({M, N}, x.options());
   const float* xd = x.const_data_ptr<float>();
   const uint8_t* pd = packed.const_data_ptr<uint8_t>();
   const float* szd = scale_zero.const_data_ptr<float>();
   float* od = out.data_ptr<float>();
+  const std::vector<float> x_sums = group_sums(xd, M, K, group);
+  if (M < kDirectRows) {
+    at::parallel_for(0, N / kBlock, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        for (int64_t m = 0; m < M; m += kDirectPass) {
+          auto run = [&](auto rows) {
+            block_rows<decltype(rows)::value>(pd + b * K * (kBlock / 2), szd + b * groups * 2 * kBlock, groups, K,
+                                              xd + m * K, x_sums.data() + m * groups, od + m * N + b * kBlock, N);
+          };
+          switch (std::min<int64_t>(kDirectPass, M - m)) {
+            case 1: run(std::integral_constant<int, 1>{}); break;
+            case 2: run(std::integral_constant<int, 2>{}); break;
+            case 3: run(std::integral_constant<int, 3>{}); break;
+            default: run(std::integral_constant<int, 4>{}); break;
+          }
+        }
+      }
+    });
+    return out;
+  }
   // Rows in slices that stay in L2 (a prefill's x would otherwise stream from L3 once per block); each block is
-  // dequantised again per slice, which costs little beside the slice's multiplies.
+  // expanded again per slice, which costs little beside the slice's multiplies.
   const int64_t slice = row_block(K);
   at::parallel_for(0, N / kBlock, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> panels(kBlock * K);
     for (int64_t m0 = 0; m0 < M; m0 += slice) {
+      const int64_t m1 = std::min(M, m0 + slice), tiles = (m1 - m0 + kGroupTileRows - 1) / kGroupTileRows;
       for (int64_t b = begin; b < end; ++b) {
-        dequantise_block(pd + b * K * (kBlock / 2), szd + b * groups * 2 * kBlock, groups, K, panels.data());
+        expand_block(pd + b * K * (kBlock / 2), K, panels.data());
         for (int p = 0; p < kBlock / kPanel; ++p) {
-          panel_rows(xd, m0, std::min(M, m0 + slice), K, panels.data() + p * K * kPanel, nullptr,
-                     od + b * kBlock + p * kPanel, N, kPanel);
+          for (int64_t t = 0, m = m0; t < tiles; ++t) {  // tiles of equal height, as panel_rows cuts them
+            const int rows = static_cast<int>((m1 - m + (tiles - t) - 1) / (tiles - t));
+            group_tile_upto<kGroupTileRows>(rows, xd + m * K, K, groups, x_sums.data() + m * groups,
+                                       panels.data() + p * K * kPanel, szd + b * groups * 2 * kBlock, p,
+                                       od + m * N + b * kBlock + p * kPanel, N);
+            m += rows;
+          }
         }
       }
     }

@@ -11,8 +11,6 @@ namespace heteroserve {
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                          const std::optional<at::Tensor>& bias);
 at::Tensor int4_panel_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zero);
-bool int4_vnni_available();
-at::Tensor int4_vnni_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zero);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
