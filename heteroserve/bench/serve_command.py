@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import httpx
 
@@ -26,33 +27,28 @@ from heteroserve.bench.serve_pairs import (
 )
 from heteroserve.bench.vllm_peer import SERVED_MODEL_NAME, start_vllm_server, vllm_dtype, vllm_missing
 from heteroserve.bench.workload import fingerprint
+from heteroserve.engine.engine_args import EngineArgs, cli_flag
 from heteroserve.model.loader import load_tokenizer
 from heteroserve.model.loader.source import resolve_model
 from heteroserve.platforms import resolve_platform
 
 
 def server_flags(args: argparse.Namespace) -> list[str]:
-    """The engine flags of this bench run, for the server it starts."""
-    flags = [
-        "--max-model-len",
-        str(args.max_model_len),
-        "--kernels",
-        args.kernels,
-        "--dtype",
-        args.dtype,
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--block-size",
-        str(args.block_size),
-    ]
-    if args.kv_cache_memory_bytes:
-        flags += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
-    if args.max_num_batched_tokens:
-        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if args.quantization:
-        flags += ["--quantization", args.quantization]
-    if not args.enable_prefix_caching:
-        flags += ["--no-enable-prefix-caching"]
+    """Every engine flag of this bench run that differs from its default, for the server it starts (the server
+    takes the same EngineArgs flags, so none is dropped on the way)."""
+    defaults = EngineArgs()
+    flags: list[str] = []
+    for setting in fields(EngineArgs):
+        value = getattr(args, setting.name, None) if setting.name != "model" else None
+        if setting.name == "model" or value == getattr(defaults, setting.name):
+            continue
+        flag = cli_flag(setting.name)
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
     return flags
 
 

@@ -311,3 +311,26 @@ def test_embed_against_sentence_transformers(tmp_path):
     assert result["ratio_median"] == pytest.approx(statistics.median(result["ratio_per_round"]))
     assert result["min_cosine_vs_sentence_transformers"] > 0.99999
     assert 12 * 32 <= result["tokens"] <= 12 * 64
+
+
+def test_serve_passes_every_engine_flag_to_the_server_it_starts():
+    """The server `bench serve` starts gets the run's engine settings: parsed back by the server's own parser, they
+    equal the bench's (none dropped on the way, as --max-prefill-tokens-per-step once was)."""
+    import argparse
+
+    from heteroserve.bench.commands import add_bench_parser
+    from heteroserve.bench.serve_command import server_flags
+    from heteroserve.engine.engine_args import EngineArgs
+    from heteroserve.entrypoints.openai.api_server import make_parser
+
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    given = [
+        *("--max-model-len", "512", "--max-prefill-tokens-per-step", "512", "--no-enable-prefix-caching"),
+        *("--enable-lora", "--max-loras", "3", "--quantization", "none", "--limit-mm-per-prompt", "image=2"),
+        *("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--kv-cache-dtype", "bfloat16"),
+    ]
+    bench_args = parser.parse_args(["bench", "serve", *given])
+    server_args = make_parser().parse_args(server_flags(bench_args))
+    assert EngineArgs.from_cli_args(server_args, None) == EngineArgs.from_cli_args(bench_args, None)
+    assert EngineArgs.from_cli_args(bench_args, None) != EngineArgs()
