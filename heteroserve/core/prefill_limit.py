@@ -3,8 +3,9 @@
 Filling the token budget with a burst's prompts makes every client of the burst wait for all of them: 16 prompts
 of 128 tokens fit one step of 2048, and no client sees a token before that step ends. With a cap of 512 the burst is
 prefilled in four steps; the first four clients get their first token after a quarter of the work, the next four
-decode alongside the second quarter, and the median client waits about half as long. The work is the same (a
-prompt's rows cost what they cost in any step), so throughput stays; a lone long prompt is chunked by the cap too.
+decode alongside the second quarter, and the median client waits about half as long. The work is nearly the same
+(a prompt's rows cost what they cost in any step, plus a little per step). The cap holds only while prompts of
+several requests wait: a lone prompt still fills the budget, since splitting it would only delay its own answer.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ class PrefillLimit:
         self.max_tokens_per_step = max_tokens_per_step
         self.left: int | None = None
 
-    def start_step(self) -> None:
-        self.left = self.max_tokens_per_step
+    def start_step(self, prefilling_requests: int) -> None:
+        """prefilling_requests: the requests whose prompts wait, wholly or in part, at the start of the step."""
+        self.left = self.max_tokens_per_step if prefilling_requests > 1 else None
 
     def allowance(self, wanted: int, whole: bool = False) -> int:
         """Prompt tokens a request may prefill now, up to `wanted`; `whole` (a pooling request, or no chunked

@@ -117,7 +117,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
-        self.prefill_limit.start_step()
+        if self.prefill_limit.max_tokens_per_step is not None:
+            prefilling = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
+            self.prefill_limit.start_step(prefilling + len(self.waiting))
 
         def preempt(victim: Request) -> None:
             nonlocal budget

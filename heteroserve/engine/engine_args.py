@@ -106,8 +106,9 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _setting(None, "token budget per step")
     max_prefill_tokens_per_step: int | None = _setting(
         None,
-        "most prompt tokens one step prefills (unset: the token budget); a cap lets a burst's first clients start "
-        "decoding while the rest prefill, so the median client's first token comes sooner",
+        "most prompt tokens one step prefills while several prompts wait (0 or unset: the token budget; the server's "
+        "default is 256): a burst's first clients start decoding while the rest prefill, so the median client's "
+        "first token comes sooner",
     )
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of a prompt prefix already computed")
     enable_chunked_prefill: bool = _setting(True, "split long prompts over steps, alongside decoding requests")
@@ -278,7 +279,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
-                max_prefill_tokens_per_step=self.max_prefill_tokens_per_step,
+                max_prefill_tokens_per_step=self.max_prefill_tokens_per_step or None,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
                 max_model_len=limits.max_model_len,

@@ -43,13 +43,15 @@ def test_without_a_cap_the_burst_is_one_step():
     assert sum(n for _, n in steps[0]) == 2048 and first == [1] * 16
 
 
-def test_a_long_prompt_is_chunked_by_the_cap():
+def test_long_prompts_are_chunked_by_the_cap_but_a_lone_one_is_not():
     config = SchedulerConfig(max_num_batched_tokens=2048, max_model_len=2048, max_prefill_tokens_per_step=300)
     scheduler = Scheduler(config, KVCacheManager(256, 16))
-    scheduler.add_request(Request("long", list(range(1000)), SamplingParams(max_tokens=1)))
+    for name, first in (("a", 0), ("b", 1000)):
+        scheduler.add_request(Request(name, list(range(first, first + 1000)), SamplingParams(max_tokens=1)))
     chunks = []
     while scheduler.has_unfinished_requests():
         output = scheduler.schedule()
-        chunks.append(output.scheduled[0].num_new_tokens)
-        scheduler.update_from_output(output, {"long": [5]} if output.scheduled[0].samples else {})
-    assert chunks == [300, 300, 300, 100]
+        chunks.append([(item.request.request_id, item.num_new_tokens) for item in output.scheduled])
+        scheduler.update_from_output(output, {i.request.request_id: [5] for i in output.scheduled if i.samples})
+    # a's prompt in capped chunks while b waits; b, alone once a is done, takes what is left of its prompt at once
+    assert chunks == [[("a", 300)], [("a", 300)], [("a", 300)], [("a", 100), ("b", 200)], [("b", 800)]]

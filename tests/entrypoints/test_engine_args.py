@@ -10,7 +10,7 @@ import pytest
 from heteroserve.config import SchedulerConfig
 from heteroserve.engine.engine_args import EngineArgs, cli_flag
 from heteroserve.entrypoints.llm import LLM
-from heteroserve.entrypoints.openai.api_server import make_parser
+from heteroserve.entrypoints.openai.api_server import SERVER_PREFILL_TOKENS_PER_STEP, make_parser
 from tests.pooling.tiny_pooling_models import build_bert_embedder
 
 SETTINGS = [f for f in dataclasses.fields(EngineArgs) if f.name != "model"]
@@ -33,8 +33,12 @@ def test_every_setting_is_a_flag_and_an_llm_keyword():
 
 
 def test_the_server_takes_every_engine_flag():
+    """The server's one default of its own: a burst's prompts are prefilled in capped steps (0 turns it off)."""
     args = make_parser().parse_args(["--num-kv-blocks", "12", "-tp", "1", "-q", "none"])
-    assert EngineArgs.from_cli_args(args, None) == EngineArgs(num_kv_blocks=12, quantization="none")
+    server_default = {"max_prefill_tokens_per_step": SERVER_PREFILL_TOKENS_PER_STEP}
+    assert EngineArgs.from_cli_args(args, None) == EngineArgs(num_kv_blocks=12, quantization="none", **server_default)
+    off = make_parser().parse_args(["--max-prefill-tokens-per-step", "0"])
+    assert EngineArgs.from_cli_args(off, None).create_engine_config().scheduler.max_prefill_tokens_per_step is None
 
 
 def test_cli_and_llm_keywords_build_equal_configs():
