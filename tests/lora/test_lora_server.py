@@ -150,13 +150,28 @@ def test_bad_loads_are_refused_naming_the_problem(lora_server, body, message):
     assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
 
 
-def test_adapter_above_the_rank_limit_is_refused(lora_server, tokenized_base):
-    body = {"lora_name": "wide", "lora_path": str(tokenized_base.adapters["wide"].path)}
-    response = httpx.post(
-        f"{lora_server.base_url}/v1/load_lora_adapter", json=body, headers={"Authorization": f"Bearer {KEY}"}
-    )
-    assert response.status_code == 400
-    assert "rank 16 is above max_lora_rank=8" in response.json()["error"]["message"]
+def test_bad_adapters_are_refused_naming_the_problem(lora_server, tokenized_base, tmp_path):
+    """Rank above --max-lora-rank, an unknown target module, a missing weights file: 400s naming each."""
+    good = tokenized_base.adapters["all"].path
+    unknown_target = tmp_path / "unknown_target"
+    missing_weights = tmp_path / "missing_weights"
+    config = json.loads((good / "adapter_config.json").read_text())
+    for folder in (unknown_target, missing_weights):
+        folder.mkdir()
+    (unknown_target / "adapter_model.safetensors").write_bytes((good / "adapter_model.safetensors").read_bytes())
+    (unknown_target / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["lm_head"]}))
+    (missing_weights / "adapter_config.json").write_text(json.dumps(config))
+    cases = [
+        (tokenized_base.adapters["wide"].path, "rank 16 is above max_lora_rank=8"),
+        (unknown_target, "unknown target module 'lm_head'"),
+        (missing_weights, "has no adapter_model.safetensors"),
+    ]
+    for i, (path, message) in enumerate(cases):
+        body = {"lora_name": f"bad-{i}", "lora_path": str(path)}
+        response = httpx.post(
+            f"{lora_server.base_url}/v1/load_lora_adapter", json=body, headers={"Authorization": f"Bearer {KEY}"}
+        )
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
     # the server keeps serving its adapters
     assert asyncio.run(_greedy_tokens(lora_server.base_url, "qv", PROMPTS[0])) == _expected(
         tokenized_base, "qv", PROMPTS[0]
