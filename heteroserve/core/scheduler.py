@@ -153,7 +153,8 @@ class Scheduler:
                     self.prefill_limit.take(num_new)
 
         running_preempted = bool(preempted)  # blocks ran short for running requests: admit no one new
-        adapters = {r.lora_id for r in self.running if r.lora_id}
+        # The adapters running requests use (LoRA only: without it no request names one, and a step skips the walk).
+        adapters = {r.lora_id for r in self.running if r.lora_id} if self.config.max_loras else set()
         set_aside: list[Request] = []  # waiting for an adapter slot: they keep their place in the queue
         while self.waiting and budget > 0 and not running_preempted:
             request = self.waiting.peek()
