@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import httpx
 import openai
@@ -47,7 +48,7 @@ def tokenized_base(tmp_path_factory, default_tokenizer) -> TokenizedBase:
 @pytest.fixture(scope="module")
 def lora_server(tokenized_base):
     adapters = tokenized_base.adapters
-    qv = json.dumps({"name": "qv", "path": str(adapters["qv"].path)})
+    qv = json.dumps({"name": "qv", "path": str(adapters["qv"].path), "base_model_name": BASE})
     process = ServerProcess(
         "--model", str(tokenized_base.folder), "--served-model-name", BASE, "--dtype", "float32",
         "--max-model-len", "128", "--num-kv-blocks", "64",
@@ -191,3 +192,15 @@ def test_the_gateway_routes_an_adapter_like_any_model(lora_server, tokenized_bas
         assert tokens == _expected(tokenized_base, "all", PROMPTS[1])
     finally:
         gateway.stop()
+
+
+def test_a_module_for_another_base_model_stops_the_server(tokenized_base):
+    """vLLM's base_model_name in --lora-modules is checked, not ignored: another base model's adapter is refused."""
+    module = json.dumps({"name": "qv", "path": str(tokenized_base.adapters["qv"].path), "base_model_name": "other"})
+    with pytest.raises(RuntimeError, match="server exited") as failed:
+        ServerProcess(
+            "--model", str(tokenized_base.folder), "--served-model-name", BASE, "--dtype", "float32",
+            "--max-model-len", "128", "--num-kv-blocks", "64", "--enable-lora", "--lora-modules", module,
+        )  # fmt: skip
+    log = failed.value.args[0].rsplit("see ", 1)[1]
+    assert "names base_model_name 'other', and this server serves 'tiny-base'" in Path(log).read_text()

@@ -398,11 +398,15 @@ def run_server(args: argparse.Namespace) -> None:
     engine = AsyncLLMEngine.from_config(config)
     names = args.served_model_name or [engine.engine.model_name]
     lora_modules = LoRAModules()
-    for name, path in args.lora_modules or ():
+    for name, path, base in args.lora_modules or ():
         lora = lora_modules.new(name, path)
         try:
             if name in names:
                 raise ValueError(f"--lora-modules: {name!r} is the base model's name")
+            if base is not None and base not in names:
+                raise ValueError(
+                    f"--lora-modules: {name!r} names base_model_name {base!r}, and this server serves {names[0]!r}"
+                )
             engine.engine.check_lora(lora)
             lora_modules.add(lora)
         except ValueError as exc:

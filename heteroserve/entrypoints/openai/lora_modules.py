@@ -41,18 +41,20 @@ class LoRAModules:
         return self._by_name.pop(name)
 
 
-def parse_lora_module(value: str) -> tuple[str, str]:
-    """--lora-modules' forms, as vLLM's: name=path, or JSON {"name": ..., "path": ...}."""
+def parse_lora_module(value: str) -> tuple[str, str, str | None]:
+    """--lora-modules' forms, as vLLM's: name=path, or JSON {"name": ..., "path": ..., "base_model_name": ...}:
+    (name, path, the base model's name if given; the server checks it is the model it serves)."""
     try:
         if value.lstrip().startswith("{"):
             parsed = json.loads(value)
             unknown = set(parsed) - {"name", "path", "base_model_name"}
             if unknown:
                 raise ValueError(f"unknown keys {sorted(unknown)}")
-            return str(parsed["name"]), str(parsed["path"])
+            base = parsed.get("base_model_name")
+            return str(parsed["name"]), str(parsed["path"]), None if base is None else str(base)
         name, path = value.split("=", 1)
         if not name or not path:
             raise ValueError("empty name or path")
-        return name, path
+        return name, path, None
     except (ValueError, KeyError, TypeError) as exc:
         raise argparse.ArgumentTypeError(f"expected name=path or a JSON object, got {value!r} ({exc})") from exc
