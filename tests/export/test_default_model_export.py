@@ -5,7 +5,8 @@ The export stores the 4-bit weights dequantised to float32, so onnxruntime is co
 same model dequantised at load (quantization="none") with the reference operators, on the top-20
 log-probabilities of every prompt row and every generated token, within 1e-4 of the largest |logit| (the rule of
 tests/model/tiny_models.py); greedy tokens against transformers' GGUF reference too. Exporting 30 layers takes
-a few minutes on 2 cores; it is the issue's own proof on the model we ship, so it runs with the suite.
+about 6 minutes on 2 cores, so it is in the slow set (`./scripts/test.sh -m slow tests/export`, docs/EXPORT.md);
+the suite runs the same path on a tiny Q4_1 GGUF (test_onnx_export.py::test_q4_1_gguf_through_the_command_line).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def reference_llm():
     return LLM(max_model_len=256, num_kv_blocks=64, quantization="none", kernels="reference")
 
 
+@pytest.mark.slow
 def test_default_model_export_matches_engine(
     default_export, reference_llm, default_tokenizer, hf_default, greedy_comparison
 ):

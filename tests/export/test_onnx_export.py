@@ -8,6 +8,8 @@ prompt row and every decode step, its greedy tokens the engine's and transformer
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from dataclasses import dataclass
 
@@ -16,16 +18,29 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from transformers import AutoImageProcessor
 
 from heteroserve.config import ModelConfig
+from heteroserve.entrypoints.cli import main
 from heteroserve.export.onnx_export import export_onnx, export_vision
 from heteroserve.export.onnx_runner import OnnxDecoder
 from heteroserve.export.options import ExportOptions
 from heteroserve.model.loader import load_model
 from heteroserve.platforms import resolve_platform
 from tests.export.onnx_steps import OnnxRun, generate
-from tests.model.tiny_models import SPECS, VOCAB, greedy_params, prompts, run, save_tiny
+from tests.model.test_gguf import COMMON_GGUF, write_gguf
+from tests.model.tiny_models import (
+    SPECS,
+    VOCAB,
+    TinyModel,
+    build_hf_model,
+    greedy_params,
+    load_reference,
+    prompts,
+    run,
+    save_tiny,
+)
 from tests.model.tiny_vl import TinyVL, image, save_tiny_vl
 
 NEW_TOKENS = 17  # the prefill's token, then 16 decode steps
@@ -93,6 +108,25 @@ def test_paged_export_matches_engine(name, tiny_models, tmp_path, greedy_compari
     names = [spec["name"] for spec in config["graphs"]["decode"]["inputs"]]
     assert names[:4] == ["input_ids", "positions", "seq_lens", "past_key.0"]
     assert names[-2:] == ["slot_mapping", "block_tables"]
+
+
+def test_q4_1_gguf_through_the_command_line(tmp_path, greedy_comparison):
+    """The default model's path on a tiny one: a tied Llama GGUF of Q4_1 matrices through `heteroserve export
+    onnx`, its weights dequantised to float32, against the engine on the same file dequantised at load and
+    transformers' own GGUF loader. (The default model itself: test_default_model_export.py, in the slow set.)"""
+    model = build_hf_model("llama", {**COMMON_GGUF, "tie_word_embeddings": True}, seed=31)
+    (tmp_path / "gguf").mkdir()
+    path = write_gguf(model, tmp_path / "gguf" / "tiny-q4_1.gguf", GGMLQuantizationType.Q4_1)
+    out = tmp_path / "onnx"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        main(["export", "onnx", str(path), "--out", str(out), "--block-size", str(BLOCK_SIZE), "--max-model-len", "64"])
+    assert "dequantised to float32" in printed.getvalue(), printed.getvalue()
+    config = json.loads((out / "config.json").read_text())
+    assert config["weights"]["dequantized_from"] and config["tokenizer"] is None, config
+    tiny = TinyModel("q4_1 gguf", path.parent, load_reference(path.parent, gguf_file=path.name))
+    onnx_run = generate(OnnxDecoder(out, threads=1), prompts(7, PROMPT_LENGTHS), NEW_TOKENS)
+    compare_with_engine("llama Q4_1 GGUF", onnx_run, tiny, greedy_comparison, {"quantization": "none"})
 
 
 def test_contiguous_export_matches_engine(tiny_models, tmp_path, greedy_comparison):
