@@ -3,12 +3,15 @@
 - `decode_attention` (csrc/paged_decode_attention.cpp): the reference gathers every request's K/V blocks into
   a padded batch and runs SDPA over it; in scenario B (64 requests, ~140 tokens) that copy alone took ~26 ms of
   a ~178 ms decode step. The kernel reads the cache in place.
-- `prefill_attention` (csrc/prefill_attention.cpp): float32 prompt attention on the GEMM's register tile; torch's
+- `prefill_attention` (csrc/prefill_attention.cpp): prompt attention on the GEMM's register tile in float32; torch's
   SDPA ran 128-token prompts at ~70 GFLOP/s here.
   `bidirectional_attention` runs an encoder's sequence on the same kernel with every key visible.
 - `rms_norm`, `silu_and_mul`, `rotary` (csrc/fused_elementwise.cpp): one pass over memory each instead of the
-  reference's chain of torch operators; float32 only. `argmax_rows` (csrc/argmax_rows.cpp): greedy tokens from
-  the logits: 0.8 against torch's `max`'s 2.1 ms over scenario B's 64 x 49152 logits (2-core Xeon).
+  reference's chain of torch operators. `argmax_rows` (csrc/argmax_rows.cpp): greedy tokens from the logits: 0.8
+  against torch's `max`'s 2.1 ms over scenario B's 64 x 49152 logits (2-core Xeon).
+- Activations in float32 or bfloat16 (OPERATOR_DTYPES; paged decode attention also float16): bfloat16 values are
+  widened as they are read, computed in float32 and rounded once when stored (vector_math.h: AVX512-BF16's
+  conversion where -march=native has it, the same rounding in portable code elsewhere).
 - `torch.ops.heteroserve.pack_linear_weight` / `packed_linear` (csrc/packed_linear.cpp): the float32 GEMM for
   every batch size, called by cpu_packed.CpuPackedWeight through the platform's linear op; `int4_panel_linear`
   (csrc/int4_panel_linear.cpp) multiplies 4-bit weights in float32 at every batch size with one order of
@@ -53,6 +56,8 @@ HEADERS = sorted(CSRC.glob("*.h"))
 # reassociation lets dot products and sums vectorise as trees (a serial lane-by-lane sum made the kernel 2x slower).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The dtypes of the other operators' kernels (norms, rotary, SiLU, prefill attention, argmax).
+OPERATOR_DTYPES = (torch.float32, torch.bfloat16)
 STALE_LOCK_SECONDS = 600  # a full build takes ~10-90 s on 2 cores
 _loaded_build: str | None = None  # set by load_library
 
@@ -122,7 +127,7 @@ def kernels_for(dtype: torch.dtype) -> dict:
     if not load_library():
         return {}
     kernels = {"decode_attention": PagedDecodeAttention()} if dtype in ATTENTION_DTYPES else {}
-    if dtype == torch.float32:
+    if dtype in OPERATOR_DTYPES:
         kernels.update(
             rms_norm=FusedRmsNorm(),
             silu_and_mul=FusedSiluAndMul(),

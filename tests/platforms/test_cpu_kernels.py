@@ -200,9 +200,9 @@ def test_cpu_platform_runs_its_operators_through_the_kernels(fused):
     assert described["write_kv"] == "torch reference"
     reference = platform.operator_table(torch.float32, kernels="reference").describe()
     assert {reference[name] for name in fused} == {"torch reference"}
-    # bfloat16 activations: the attention kernel, the reference element-wise operators
-    bf16 = platform.operator_table(torch.bfloat16).describe()
-    assert bf16["decode_attention"] == fused["decode_attention"].kernel_name and bf16["rms_norm"] == "torch reference"
+    # float16 activations: the attention kernel, the reference element-wise operators
+    fp16 = platform.operator_table(torch.float16).describe()
+    assert fp16["decode_attention"] == fused["decode_attention"].kernel_name and fp16["rms_norm"] == "torch reference"
 
 
 def prompt_chunk(num_queries, context, num_heads, num_kv_heads, head_dim, sliding_window=None, seed=0):
@@ -297,9 +297,9 @@ def test_fused_rotary_on_views_of_the_fused_projection(fused, rows):
 
 
 def test_fused_operators_say_not_implemented_for_other_dtypes(fused):
-    x = torch.randn(4, 64, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="float32 only"):
-        fused["rms_norm"](x, torch.ones(64, dtype=torch.bfloat16), 1e-5)
+    x = torch.randn(4, 64, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="float32 or bfloat16 only"):
+        fused["rms_norm"](x, torch.ones(64, dtype=torch.float16), 1e-5)
 
 
 def test_build_directory_is_keyed_by_cpu_torch_and_source(monkeypatch, tmp_path):

@@ -8,6 +8,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -18,7 +19,9 @@ namespace {
 using heteroserve::kLanes, heteroserve::load, heteroserve::vec;
 typedef int32_t mask __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-int64_t first_index_of(const float* row, int64_t n, float value) {
+// T: float or c10::BFloat16 (widened exactly, so the maximum and its place are those of the bfloat16 row).
+template <typename T>
+int64_t first_index_of(const T* row, int64_t n, float value) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     const mask hit = load(row + i) == value;
@@ -27,12 +30,13 @@ int64_t first_index_of(const float* row, int64_t n, float value) {
     }
   }
   for (; i < n; ++i) {
-    if (row[i] == value) return i;
+    if (static_cast<float>(row[i]) == value) return i;
   }
   return 0;  // not reached: `value` came from the row
 }
 
-int64_t argmax_row(const float* row, int64_t n) {
+template <typename T>
+int64_t argmax_row(const T* row, int64_t n) {
   vec best = vec{} - std::numeric_limits<float>::infinity();
   mask nan = mask{};
   int64_t i = 0;
@@ -48,12 +52,13 @@ int64_t argmax_row(const float* row, int64_t n) {
     has_nan |= nan[lane] != 0;
   }
   for (; i < n; ++i) {
-    top = row[i] > top ? row[i] : top;
-    has_nan |= row[i] != row[i];
+    const float v = static_cast<float>(row[i]);
+    top = v > top ? v : top;
+    has_nan |= v != v;
   }
   if (has_nan) {
     for (int64_t j = 0; j < n; ++j) {
-      if (row[j] != row[j]) return j;
+      if (std::isnan(static_cast<float>(row[j]))) return j;
     }
   }
   return first_index_of(row, n, top);
@@ -64,17 +69,25 @@ int64_t argmax_row(const float* row, int64_t n) {
 namespace heteroserve {
 
 at::Tensor argmax_rows(const at::Tensor& x_in) {
-  TORCH_CHECK_NOT_IMPLEMENTED(x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
-                              "argmax_rows: float32 [rows, n] only");
+  TORCH_CHECK_NOT_IMPLEMENTED((x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16) &&
+                                  x_in.dim() == 2,
+                              "argmax_rows: float32 or bfloat16 [rows, n] only");
   TORCH_CHECK(x_in.size(1) > 0, "argmax_rows: rows must not be empty");
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), n = x.size(1);
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
-  const float* data = x.const_data_ptr<float>();
   int64_t* index = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) index[r] = argmax_row(data + r * n, n);
-  });
+  auto run = [&](auto zero) {
+    const auto* data = x.const_data_ptr<decltype(zero)>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) index[r] = argmax_row(data + r * n, n);
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16) {
+    run(c10::BFloat16{});
+  } else {
+    run(float{});
+  }
   return out;
 }
 

@@ -1,5 +1,6 @@
 // Prefill attention in float32: one prompt chunk's queries over its keys (the cached prefix, then the chunk),
-// both products run by the GEMM's register tile (packed_tile.h). torch's flash-attention kernel for CPU reached
+// both products run by the GEMM's register tile (packed_tile.h); bfloat16 inputs are widened as they are read and
+// each output row is rounded once. torch's flash-attention kernel for CPU reached
 // 71 GFLOP/s on 128-token prompts and 158 on 2048 tokens (Intel Xeon, 2 threads, SmolLM2's 9 heads of 64).
 //
 // Each KV head's keys and values are packed once per call into the tile's panel layout: K as
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "packed_tile.h"
@@ -33,25 +35,26 @@ int64_t row_stride(int64_t floats) {
   return (lines | 1) * 16;
 }
 
-// [ctx, Hkv, D] -> K panels [Hkv][ceil(ctx / NR)][D][NR], V panels [Hkv][D / NR][row_stride(ctx)][NR], zero
-// past the ctx keys.
+// [ctx, Hkv, D] of T (float or c10::BFloat16) -> float32 K panels [Hkv][ceil(ctx / NR)][D][NR], V panels
+// [Hkv][D / NR][row_stride(ctx)][NR], zero past the ctx keys.
+template <typename T>
 std::pair<at::Tensor, at::Tensor> pack_keys_values(const at::Tensor& keys, const at::Tensor& values) {
   const int64_t ctx = keys.size(0), Hkv = keys.size(1), D = keys.size(2), key_panels = (ctx + kPanel - 1) / kPanel;
   const int64_t v_rows = row_stride(ctx);
-  at::Tensor k_packed = at::zeros({Hkv, key_panels, D, kPanel}, keys.options());
-  at::Tensor v_packed = at::zeros({Hkv, D / kPanel, v_rows, kPanel}, values.options());
-  const float* k = keys.const_data_ptr<float>();
+  at::Tensor k_packed = at::zeros({Hkv, key_panels, D, kPanel}, keys.options().dtype(at::kFloat));
+  at::Tensor v_packed = at::zeros({Hkv, D / kPanel, v_rows, kPanel}, values.options().dtype(at::kFloat));
+  const T* k = keys.const_data_ptr<T>();
   const int64_t k_strides[2] = {keys.stride(0), keys.stride(1)}, v_strides[2] = {values.stride(0), values.stride(1)};
-  const float* v = values.const_data_ptr<float>();
+  const T* v = values.const_data_ptr<T>();
   float* kp = k_packed.data_ptr<float>();
   float* vp = v_packed.data_ptr<float>();
   at::parallel_for(0, Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h) {
       for (int64_t j = 0; j < ctx; ++j) {
-        const float* k_row = k + j * k_strides[0] + h * k_strides[1];
+        const T* k_row = k + j * k_strides[0] + h * k_strides[1];
         float* k_panel = kp + ((h * key_panels + j / kPanel) * D) * kPanel + j % kPanel;
-        for (int64_t d = 0; d < D; ++d) k_panel[d * kPanel] = k_row[d];
-        const float* v_row = v + j * v_strides[0] + h * v_strides[1];
+        for (int64_t d = 0; d < D; ++d) k_panel[d * kPanel] = static_cast<float>(k_row[d]);
+        const T* v_row = v + j * v_strides[0] + h * v_strides[1];
         for (int64_t p = 0; p < D / kPanel; ++p) {
           std::copy(v_row + p * kPanel, v_row + (p + 1) * kPanel, vp + ((h * (D / kPanel) + p) * v_rows + j) * kPanel);
         }
@@ -123,11 +126,13 @@ bool prefill_attention_supports(int64_t head_dim) { return head_dim % kPanel == 
 
 // q [n, Hq, D] over keys/values [ctx, Hkv, D]; mask [n, ctx] (true = attend) or none: causal over the chunk,
 // which then holds every key (ctx == n), or with causal false every query sees every key (an encoder).
+// All float32, or all bfloat16: widened as they are read, each output row rounded once.
 at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& keys_in, const at::Tensor& values_in,
                              const std::optional<at::Tensor>& mask_in, double scale, bool causal) {
-  TORCH_CHECK(q_in.scalar_type() == at::kFloat && keys_in.scalar_type() == at::kFloat &&
-                  values_in.scalar_type() == at::kFloat,
-              "prefill_attention: float32 only");
+  const at::ScalarType dtype = q_in.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && keys_in.scalar_type() == dtype &&
+                  values_in.scalar_type() == dtype,
+              "prefill_attention: q, keys and values all float32 or all bfloat16");
   TORCH_CHECK(q_in.dim() == 3 && keys_in.dim() == 3 && keys_in.sizes() == values_in.sizes(),
               "prefill_attention: q [n, Hq, D], keys and values [ctx, Hkv, D]");
   const int64_t n = q_in.size(0), Hq = q_in.size(1), D = q_in.size(2), ctx = keys_in.size(0), Hkv = keys_in.size(1);
@@ -142,49 +147,71 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& keys_in, 
   }
   // Heads may be views of the fused qkv projection: only each head's D values need to be consecutive.
   const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
-  const auto [k_packed, v_packed] = pack_keys_values(keys_in.stride(2) == 1 ? keys_in : keys_in.contiguous(),
-                                                     values_in.stride(2) == 1 ? values_in : values_in.contiguous());
+  const at::Tensor k_heads = keys_in.stride(2) == 1 ? keys_in : keys_in.contiguous();
+  const at::Tensor v_heads = values_in.stride(2) == 1 ? values_in : values_in.contiguous();
   const bool* mask_data = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
   const std::vector<int64_t> ends = visible_ends(n, ctx, mask_data, causal);
   at::Tensor out = at::empty({n, Hq, D}, q.options());
-  const float* qd = q.const_data_ptr<float>();
-  const int64_t q_strides[2] = {q.stride(0), q.stride(1)};
-  const float* kp = k_packed.const_data_ptr<float>();
-  const float* vp = v_packed.const_data_ptr<float>();
-  float* od = out.data_ptr<float>();
-  const int64_t blocks = (n + kTileRows - 1) / kTileRows, key_panels = k_packed.size(1), group = Hq / Hkv;
-  const int64_t v_rows = v_packed.size(2);
-  const float fscale = static_cast<float>(scale);
+  auto attend = [&](auto zero) {
+    using T = decltype(zero);
+    const std::pair<at::Tensor, at::Tensor> packed = pack_keys_values<T>(k_heads, v_heads);
+    const at::Tensor &k_packed = packed.first, &v_packed = packed.second;
+    const T* qd = q.const_data_ptr<T>();
+    const int64_t q_strides[2] = {q.stride(0), q.stride(1)};
+    const float* kp = k_packed.const_data_ptr<float>();
+    const float* vp = v_packed.const_data_ptr<float>();
+    T* od = out.data_ptr<T>();
+    const int64_t blocks = (n + kTileRows - 1) / kTileRows, key_panels = k_packed.size(1), group = Hq / Hkv;
+    const int64_t v_rows = v_packed.size(2);
+    const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, Hq * blocks, 1, [&](int64_t begin, int64_t end) {  // head-major: threads share the heads
-    std::vector<float> query(kTileRows * D), scores(kTileRows * row_stride(key_panels * kPanel));
-    std::vector<float> probs(kTileRows * row_stride(ctx));
-    float inv_sum[kTileRows];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t head = item / blocks, i0 = item % blocks * kTileRows, kv_head = head / group;
-      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, n - i0));
-      const int64_t width = *std::max_element(ends.begin() + i0, ends.begin() + i0 + rows);
-      for (int r = 0; r < rows; ++r) {
-        const float* q_row = qd + (i0 + r) * q_strides[0] + head * q_strides[1];
-        for (int64_t d = 0; d < D; ++d) query[r * D + d] = q_row[d] * fscale;
+    // Head-major: threads share the heads.
+    at::parallel_for(0, Hq * blocks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> query(kTileRows * D), scores(kTileRows * row_stride(key_panels * kPanel));
+      std::vector<float> probs(kTileRows * row_stride(ctx));
+      // P V's rows: in place in a float32 output (stride Hq * D), else here (stride D) until rounded into it.
+      std::vector<float> result(std::is_same_v<T, float> ? 0 : kTileRows * D);
+      const int64_t result_stride = std::is_same_v<T, float> ? Hq * D : D;
+      float inv_sum[kTileRows];
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t head = item / blocks, i0 = item % blocks * kTileRows, kv_head = head / group;
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, n - i0));
+        const int64_t width = *std::max_element(ends.begin() + i0, ends.begin() + i0 + rows);
+        for (int r = 0; r < rows; ++r) {
+          const T* q_row = qd + (i0 + r) * q_strides[0] + head * q_strides[1];
+          for (int64_t d = 0; d < D; ++d) query[r * D + d] = static_cast<float>(q_row[d]) * fscale;
+        }
+        const int64_t panels = (width + kPanel - 1) / kPanel, stride = row_stride(panels * kPanel);
+        const int64_t keys = row_stride(width);  // P's row stride, V's rows past width are zero
+        for (int64_t p = 0; p < panels; ++p) {
+          tile_upto<kTileRows>(rows, query.data(), D, kp + ((kv_head * key_panels + p) * D) * kPanel, nullptr,
+                               scores.data() + p * kPanel, stride, kPanel, nullptr, 0);
+        }
+        softmax_rows(scores.data(), stride, rows, i0, ends, mask_data, ctx, keys, probs.data(), inv_sum);
+        T* out_rows = od + (i0 * Hq + head) * D;
+        float* o;
+        if constexpr (std::is_same_v<T, float>) {
+          o = out_rows;
+        } else {
+          o = result.data();
+        }
+        for (int64_t p = 0; p < D / kPanel; ++p) {
+          const float* v_panel = vp + ((kv_head * (D / kPanel) + p) * v_rows) * kPanel;
+          tile_upto<kTileRows>(rows, probs.data(), keys, v_panel, nullptr, o + p * kPanel, result_stride, kPanel,
+                               nullptr, 0);
+        }
+        for (int r = 0; r < rows; ++r) {
+          for (int64_t d = 0; d < D; ++d) o[r * result_stride + d] *= inv_sum[r];
+          if constexpr (!std::is_same_v<T, float>) heteroserve::store_row(o + r * D, D, out_rows + r * Hq * D);
+        }
       }
-      const int64_t panels = (width + kPanel - 1) / kPanel, stride = row_stride(panels * kPanel);
-      const int64_t keys = row_stride(width);  // P's row stride, V's rows past width are zero
-      for (int64_t p = 0; p < panels; ++p) {
-        tile_upto<kTileRows>(rows, query.data(), D, kp + ((kv_head * key_panels + p) * D) * kPanel, nullptr,
-                             scores.data() + p * kPanel, stride, kPanel, nullptr, 0);
-      }
-      softmax_rows(scores.data(), stride, rows, i0, ends, mask_data, ctx, keys, probs.data(), inv_sum);
-      float* o = od + (i0 * Hq + head) * D;
-      for (int64_t p = 0; p < D / kPanel; ++p) {
-        tile_upto<kTileRows>(rows, probs.data(), keys, vp + ((kv_head * (D / kPanel) + p) * v_rows) * kPanel, nullptr,
-                             o + p * kPanel, Hq * D, kPanel, nullptr, 0);
-      }
-      for (int r = 0; r < rows; ++r) {
-        for (int64_t d = 0; d < D; ++d) o[r * Hq * D + d] *= inv_sum[r];
-      }
-    }
-  });
+    });
+  };
+  if (dtype == at::kBFloat16) {
+    attend(c10::BFloat16{});
+  } else {
+    attend(float{});
+  }
   return out;
 }
 

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -70,6 +72,64 @@ inline vec load(const c10::Half* p) {
 }
 
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(v)); }
+
+// kLanes floats rounded to bfloat16: to nearest, ties to even, NaN kept NaN, as c10::BFloat16 rounds. AVX512-BF16's
+// conversion instruction where the compiler targets it (it also flushes subnormals, below 1.2e-38, to zero), the
+// same rounding on the float's bits elsewhere.
+inline void store(c10::BFloat16* p, vec v) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  __m512 f;
+  std::memcpy(&f, &v, sizeof(f));
+  const __m256bh h = _mm512_cvtneps_pbh(f);
+#else
+  typedef uint32_t words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  typedef uint16_t halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  words w;
+  std::memcpy(&w, &v, sizeof(w));
+  const words nan = (words)(v != v);
+  const words rounded = (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
+  const halves h = __builtin_convertvector((rounded & ~nan) | (nan & 0x7FC0u), halves);
+#endif
+  std::memcpy(p, &h, sizeof(h));
+}
+
+// n floats into a row of float32 (a copy) or bfloat16 (rounded as above), a machine vector at a time.
+template <typename T>
+inline void store_row(const float* from, int64_t n, T* to) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(to, from, n * sizeof(float));
+  } else {
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) store(to + i, load(from + i));
+    for (; i < n; ++i) to[i] = static_cast<T>(from[i]);
+  }
+}
+
+// Where a kernel computes a row of T outputs in float32: the output row itself when T is float, else a scratch
+// row that `finish` rounds into the output once.
+template <typename T>
+class OutputRow {
+ public:
+  explicit OutputRow(int64_t n) : scratch_(std::is_same_v<T, float> ? 0 : n) {}
+
+  // The float32 row to write the results of `out` [0, n) into.
+  float* start(T* out) {
+    out_ = out;
+    if constexpr (std::is_same_v<T, float>) {
+      return out;
+    } else {
+      return scratch_.data();
+    }
+  }
+
+  void finish() {
+    if constexpr (!std::is_same_v<T, float>) store_row(scratch_.data(), static_cast<int64_t>(scratch_.size()), out_);
+  }
+
+ private:
+  std::vector<float> scratch_;
+  T* out_ = nullptr;
+};
 
 inline float horizontal_sum(vec v) {
   float sum = 0.f;
