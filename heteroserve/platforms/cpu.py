@@ -171,7 +171,8 @@ class CpuLinear(LinearOp):
         self, x: torch.Tensor, weight: torch.Tensor | CompressedWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if isinstance(weight, torch.Tensor):  # oneDNN's reordered layout
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+            # x widened where the weight is float32 under bfloat16 activations (prepare_lm_head's 8-bit head)
+            return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, bias, "none", [], "")
         return weight.matmul(x, bias)
 
 
