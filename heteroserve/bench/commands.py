@@ -1,5 +1,5 @@
-"""`heteroserve bench throughput|latency|serve|vision|embed|soak`: the parser (the commands are in
-throughput_command.py, latency_command.py, serve_command.py, vision.py, embed.py and soak.py)."""
+"""`heteroserve bench throughput|latency|serve|vision|embed|soak|quality`: the parser (the commands are in
+throughput_command.py, latency_command.py, serve_command.py, vision.py, embed.py, soak.py and quality.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from heteroserve.bench.embed import add_embed_parser
 from heteroserve.bench.harness import PEERS
 from heteroserve.bench.latency_command import run_latency_bench
+from heteroserve.bench.quality import add_quality_parser
 from heteroserve.bench.serve_command import run_serve_bench
 from heteroserve.bench.soak import run_soak_command
 from heteroserve.bench.throughput_command import run_throughput_bench
@@ -21,6 +22,7 @@ def add_bench_parser(commands) -> None:
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     add_vision_parser(kinds)
     add_embed_parser(kinds)
+    add_quality_parser(kinds)
     soak = kinds.add_parser(
         "soak",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
