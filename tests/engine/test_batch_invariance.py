@@ -52,17 +52,21 @@ def workload(default_tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=list(FORMATS))
 def runs(request, workload) -> dict:
-    """Every case's outputs for the targets, from three engines of one weight format."""
+    """Every case's outputs for the targets, from two engines of one weight format. The alone runs and the batch
+    start from an empty prefix cache (test_the_cases_happened checks that they found nothing in it)."""
     quantization = FORMATS[request.param]
-    plain = LLM(**ENGINE, quantization=quantization, enable_prefix_caching=False)
-    alone = {i: _generate(plain, [workload[i]])[0] for i in TARGETS}
-    batch = _generate(plain, workload)
-    del plain
     small = LLM(**ENGINE, quantization=quantization, enable_prefix_caching=False, num_kv_blocks=PREEMPTION_BLOCKS)
     first = BATCH - PREEMPTION_BATCH
     preempted = _generate(small, workload[first:])
     del small
     cached = LLM(**ENGINE, quantization=quantization, enable_prefix_caching=True)
+    alone = {}
+    for i in TARGETS:
+        _forget_cached_blocks(cached)
+        alone[i] = _generate(cached, [workload[i]])[0]
+    _forget_cached_blocks(cached)
+    batch = _generate(cached, workload)
+    _forget_cached_blocks(cached)
     prefixed = {}
     for i in TARGETS:
         sharer = workload[i][:CACHED_PREFIX] + workload[(i + 1) % BATCH][CACHED_PREFIX:]
@@ -77,6 +81,10 @@ def runs(request, workload) -> dict:
         "prefix cached": prefixed,
         "demo": demo,
     }
+
+
+def _forget_cached_blocks(llm: LLM) -> None:
+    llm.engine.scheduler.kv_cache.pool.reset_cache()
 
 
 def _generate(llm: LLM, prompts: list[list[int]]):
@@ -112,11 +120,11 @@ def test_a_request_answers_as_it_does_alone(runs, case):
 
 
 def test_the_cases_happened(runs):
-    """The preempted targets were preempted, the prefix-cached ones found their prefix."""
+    """The preempted targets were preempted, the prefix-cached ones found their prefix, the others none."""
     preemptions = {i: o.metrics.num_preemptions for i, o in runs["preempted"].items()}
     assert all(preemptions.values()), preemptions
     assert all(o.metrics.num_cached_tokens == CACHED_PREFIX for o in runs["prefix cached"].values())
-    assert all(o.metrics.num_cached_tokens == 0 for o in runs["alone"].values())
+    assert all(o.metrics.num_cached_tokens == 0 for o in [*runs["alone"].values(), *runs["batch"].values()])
 
 
 def test_the_demo_question_asked_twice_gets_one_answer(runs):
