@@ -7,6 +7,7 @@ layout that our rotary embedding (rotate-half) expects.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,10 +41,20 @@ _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 
 
 def open_gguf(path: Path) -> GGUFReader:
+    """The file's reader, parsed once per process while the file is unchanged: parsing the default model's metadata
+    (a 49k-token vocabulary, field by field) takes seconds, and an engine reads the file for its limits, its
+    config and its weights. The reader maps the file read-only."""
     try:
-        return GGUFReader(str(path))
+        stat = path.stat()
+        return _read_gguf(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
     except Exception as exc:  # the reader raises assorted errors on damaged files
         raise ValueError(f"cannot read GGUF file {path}: {exc} (truncated or not a GGUF file?)") from exc
+
+
+@functools.lru_cache(maxsize=2)
+def _read_gguf(path: str, size: int, mtime_ns: int) -> GGUFReader:
+    """Keyed by size and modification time too, so a file rewritten in place is parsed again."""
+    return GGUFReader(path)
 
 
 def _field(reader: GGUFReader, key: str, default=None):
