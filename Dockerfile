@@ -57,7 +57,7 @@ FROM base AS runtime
 RUN groupadd --system --gid 10001 heteroserve \
     && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/heteroserve heteroserve
 COPY --from=build /opt/heteroserve /opt/heteroserve
-ENV PATH=/opt/heteroserve/bin:$PATH HF_HUB_OFFLINE=1 OMP_WAIT_POLICY=PASSIVE PYTHONUNBUFFERED=1
+ENV PATH=/opt/heteroserve/bin:$PATH HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 USER 10001:10001
 WORKDIR /home/heteroserve
 EXPOSE 8000

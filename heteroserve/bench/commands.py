@@ -1,5 +1,6 @@
-"""`heteroserve bench throughput|latency|serve|vision|embed|soak|quality`: the parser (the commands are in
-throughput_command.py, latency_command.py, serve_command.py, vision.py, embed.py, soak.py and quality.py)."""
+"""`heteroserve bench throughput|latency|serve|vision|embed|soak|quality|threads`: the parser (the commands are
+in throughput_command.py, latency_command.py, serve_command.py, vision.py, embed.py, soak.py, quality.py and
+thread_environment.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from heteroserve.bench.latency_command import run_latency_bench
 from heteroserve.bench.quality import add_quality_parser
 from heteroserve.bench.serve_command import run_serve_bench
 from heteroserve.bench.soak import run_soak_command
+from heteroserve.bench.thread_environment import add_threads_parser
 from heteroserve.bench.throughput_command import run_throughput_bench
 from heteroserve.bench.vision import add_vision_parser
 from heteroserve.engine.engine_args import EngineArgs
@@ -23,6 +25,7 @@ def add_bench_parser(commands) -> None:
     add_vision_parser(kinds)
     add_embed_parser(kinds)
     add_quality_parser(kinds)
+    add_threads_parser(kinds)
     soak = kinds.add_parser(
         "soak",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

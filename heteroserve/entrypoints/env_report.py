@@ -52,6 +52,7 @@ def collect_env(device: str = "auto") -> dict[str, object]:
     except ValueError as exc:
         report["chosen"] = {"error": str(exc)}
         return report
+    chosen.configure_process()  # the thread settings an engine's process would run with
     dtype = chosen.default_dtype()
     try:
         free, device_total = chosen.memory_info()

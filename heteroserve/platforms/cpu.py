@@ -24,6 +24,9 @@ from heteroserve.quantization.weight import CompressedWeight
 
 logger = logging.getLogger(__name__)
 
+# How long a kernel thread waits for the next kernel before it sleeps: the kernels of one step follow each other
+# within microseconds, the next step comes after milliseconds of Python (bench/results/kernel_threads/).
+DEFAULT_KERNEL_SPIN_US = 200
 # Kernel flag -> the name people know; the flags that decide which kernels and dtypes are fast.
 ISA_NAMES = {
     "avx2": "AVX2",
@@ -230,6 +233,7 @@ class CpuPlatform(Platform):
     def __init__(self) -> None:
         super().__init__()
         self.isa = cpu_isa_flags()
+        self.threads = torch.get_num_threads()  # the process's share of the cores (configure_process)
 
     def supported_dtypes(self) -> list[torch.dtype]:
         dtypes = [torch.float32]
@@ -287,9 +291,39 @@ class CpuPlatform(Platform):
         """CPU ranks share the host; each worker process takes its share of the cores instead."""
 
     def configure_process(self) -> None:
-        threads = os.environ.get("HETEROSERVE_NUM_THREADS")
-        if threads:
-            torch.set_num_threads(int(threads))
+        """The process's thread count: HETEROSERVE_NUM_THREADS, else torch's (the cores, or a tensor-parallel
+        rank's share), for torch's operators (loading the model) and the C++ kernels' own pool. The pool's threads
+        spin for HETEROSERVE_KERNEL_SPIN_US after a kernel (the next one of a step follows within microseconds),
+        then sleep; OpenMP's variables (OMP_WAIT_POLICY, GOMP_SPINCOUNT) do not reach it."""
+        self.threads = int(os.environ.get("HETEROSERVE_NUM_THREADS") or torch.get_num_threads())
+        torch.set_num_threads(self.threads)
+        if cpu_kernels.load_library():
+            spin_us = int(os.environ.get("HETEROSERVE_KERNEL_SPIN_US", DEFAULT_KERNEL_SPIN_US))
+            torch.ops.heteroserve.set_kernel_threads(self.threads, spin_us)
+
+    def assign_threads(self, dtype: torch.dtype) -> None:
+        """One team of threads owns the cores. With float32 activations the C++ kernels' pool runs every product,
+        attention and norm, and torch's operators (the glue between them) get one thread: an OpenMP team beside
+        the pool spins after each parallel torch operator on the cores the pool needs, which made scenario B as
+        shipped ~1.4x slower (bench/results/kernel_threads/). With other dtypes oneDNN runs the products on torch's
+        team, and the pool keeps only its caller's thread so as not to spin against it."""
+        if cpu_kernels.load_library():
+            _, spin_us = torch.ops.heteroserve.kernel_thread_settings()
+            own_products = dtype == torch.float32
+            torch.ops.heteroserve.set_kernel_threads(self.threads if own_products else 1, spin_us)
+            torch.set_num_threads(1 if own_products else self.threads)
+        logger.info("CPU threads: %s", ", ".join(f"{k}={v}" for k, v in self.thread_settings().items()))
+
+    def thread_settings(self) -> dict[str, object]:
+        """The kernels' pool and torch's OpenMP team as this process runs them (start-up log, `heteroserve env`)."""
+        settings: dict[str, object] = {}
+        if cpu_kernels.load_library():
+            threads, spin_us = torch.ops.heteroserve.kernel_thread_settings()
+            settings.update(kernel_threads=threads, kernel_spin_us=spin_us)
+        settings.update(
+            torch_threads=torch.get_num_threads(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset")
+        )
+        return settings
 
     def describe(self) -> dict[str, object]:
         return {
@@ -297,6 +331,6 @@ class CpuPlatform(Platform):
             "machine": pyplatform.machine(),
             "isa": isa_names(self.isa),
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "threads": torch.get_num_threads(),
             "cpp_kernels": cpu_kernels.loaded_build(),
+            **self.thread_settings(),
         }

@@ -52,9 +52,9 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"))
 HEADERS = sorted(CSRC.glob("*.h"))
-# -fopenmp: at::parallel_for's OpenMP region (openmp_ldflags links it to the runtime torch has loaded: one team);
+# No -fopenmp: the kernels run on their own thread pool (csrc/thread_pool.h), whatever OpenMP's settings are;
 # reassociation lets dot products and sums vectorise as trees (a serial lane-by-lane sum made the kernel 2x slower).
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+CFLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The dtypes of the other operators' kernels (norms, rotary, SiLU, prefill attention, argmax).
 OPERATOR_DTYPES = (torch.float32, torch.bfloat16)
@@ -154,11 +154,10 @@ def cpu_flags() -> str:
 
 
 def library_directory(root: Path, name: str, flags: list[str]) -> Path:
-    """root/name_<hash of `flags`, the OpenMP runtime linked, torch's version and the sources>: a library
-    built from anything else is never loaded."""
-    linked = [Path(flag).name for flag in openmp_ldflags()]
+    """root/name_<hash of `flags`, torch's version and the sources>: a library built from anything else is never
+    loaded."""
     sources = [path.read_text() for path in [*SOURCES, *HEADERS]]
-    key = "\n".join([" ".join([*flags, *linked]), torch.__version__, *sources])
+    key = "\n".join([" ".join(flags), torch.__version__, *sources])
     return root / f"{name}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
@@ -273,29 +272,9 @@ def compile_and_load(directory: Path, cflags: list[str]) -> None:
         sources=[str(path) for path in SOURCES],
         extra_cflags=cflags,
         extra_include_paths=[str(CSRC)],
-        extra_ldflags=list(openmp_ldflags()),
         build_directory=str(directory),
         is_python_module=False,
     )
-
-
-@functools.cache
-def openmp_ldflags() -> tuple[str, ...]:
-    """Links the OpenMP runtime torch has loaded, so that our parallel regions share its threads and thread
-    count (torch.set_num_threads, each tensor-parallel worker's share of the cores). -fopenmp alone links the
-    system's libgomp.so.1, which is torch's only where the wheel ships it under that name (x86-64); PyPI's
-    aarch64 wheels ship a renamed copy (torch.libs/libgomp-<hash>.so.1.0.0), and a second runtime would run
-    as many threads as cores beside torch's. Only torch's own folders count: other wheels bring runtimes of
-    their own (scikit-learn's scikit_learn.libs/libgomp-<hash>.so, loaded with sentence-transformers)."""
-    torch_dir = Path(torch.__file__).resolve().parent
-    own = (f"{torch_dir}/", f"{torch_dir.parent / 'torch.libs'}/")
-    try:
-        with open("/proc/self/maps") as maps:
-            loaded = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp5" in line}
-    except OSError:
-        loaded = set()
-    runtimes = sorted(path for path in loaded if path.startswith(own))
-    return tuple(runtimes[:1]) or ("-fopenmp",)
 
 
 def _remove_stale_lock(directory: Path) -> None:

@@ -4,7 +4,7 @@
 // stay on one thread, where a parallel region would cost more than the work. bfloat16 rows are widened as they
 // are read and rounded once when stored.
 
-#include <ATen/Parallel.h>
+#include "thread_pool.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -57,7 +57,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
     const T* xd = x.const_data_ptr<T>();
     const T* w = weight.const_data_ptr<T>();
     T* od = out.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(H), [&](int64_t begin, int64_t end) {
+    heteroserve::parallel_for(0, rows, grain_rows(H), [&](int64_t begin, int64_t end) {
       heteroserve::OutputRow<T> out_row(H);
       for (int64_t r = begin; r < end; ++r) {
         const T* row = xd + r * H;
@@ -86,7 +86,7 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
     using T = decltype(zero);
     const T* xd = x.const_data_ptr<T>();
     T* od = out.data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
+    heteroserve::parallel_for(0, rows, grain_rows(width), [&](int64_t begin, int64_t end) {
       heteroserve::OutputRow<T> out_row(I);
       for (int64_t r = begin; r < end; ++r) {
         const T* gate = xd + r * width;
@@ -153,7 +153,7 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions_in, const 
     using S = decltype(zero);
     const S *qd = q.const_data_ptr<S>(), *kd = k.const_data_ptr<S>();
     S *qo = q_out.data_ptr<S>(), *ko = k_out.data_ptr<S>();
-    at::parallel_for(0, T, grain_rows((Hq + Hkv) * D), [&](int64_t begin, int64_t end) {
+    heteroserve::parallel_for(0, T, grain_rows((Hq + Hkv) * D), [&](int64_t begin, int64_t end) {
       heteroserve::OutputRow<S> q_row(Hq * D), k_row(Hkv * D);
       for (int64_t t = begin; t < end; ++t) {
         const float *c = cd + pos[t] * D, *s = sd + pos[t] * D;

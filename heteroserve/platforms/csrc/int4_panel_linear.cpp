@@ -20,7 +20,7 @@
 // accumulators spilled (tiles of 11-12 rows, AVX2's 16 registers): here the order above is the point.
 #pragma GCC optimize("no-associative-math")
 
-#include <ATen/Parallel.h>
+#include "thread_pool.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -202,7 +202,7 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& packed, c
   float* od = out.data_ptr<float>();
   const std::vector<float> x_sums = group_sums(xd, M, K, group);
   if (M < kDirectRows) {
-    at::parallel_for(0, N / kBlock, 1, [&](int64_t begin, int64_t end) {
+    heteroserve::parallel_for(0, N / kBlock, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         for (int64_t m = 0; m < M; m += kDirectPass) {
           auto run = [&](auto rows) {
@@ -223,7 +223,7 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& packed, c
   // Rows in slices that stay in L2 (a prefill's x would otherwise stream from L3 once per block); each block is
   // expanded again per slice, which costs little beside the slice's multiplies.
   const int64_t slice = row_block(K);
-  at::parallel_for(0, N / kBlock, 1, [&](int64_t begin, int64_t end) {
+  heteroserve::parallel_for(0, N / kBlock, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> panels(kBlock * K);
     for (int64_t m0 = 0; m0 < M; m0 += slice) {
       const int64_t m1 = std::min(M, m0 + slice), tiles = (m1 - m0 + kGroupTileRows - 1) / kGroupTileRows;

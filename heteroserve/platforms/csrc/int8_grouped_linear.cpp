@@ -6,7 +6,7 @@
 // Partial sums stay per lane across the row and are added up once per output, in float32. Beyond 16 rows
 // (AVX-512 builds) int8_panel_linear feeds the float32 GEMM's tile instead, a panel of 32 rows at a time.
 
-#include <ATen/Parallel.h>
+#include "thread_pool.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -122,7 +122,7 @@ at::Tensor int8_grouped_linear(const at::Tensor& x_in, const at::Tensor& q_in, c
   TORCH_CHECK(M <= kMaxRows, "int8_grouped_linear takes at most ", kMaxRows, " rows, got ", M);
   at::Tensor out = at::empty({M, N}, o.x.options());
   float* od = out.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+  heteroserve::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const int8_t* qn = o.qd + n * K;
       const float* sn = o.sd + n * groups;
@@ -210,7 +210,7 @@ at::Tensor int8_panel_linear(const at::Tensor& x_in, const at::Tensor& q_in, con
   at::Tensor out = at::empty({M, N}, o.x.options());
   float* od = out.data_ptr<float>();
   const int64_t slice = heteroserve::row_block(K);
-  at::parallel_for(0, N / kPanelWidth, 1, [&](int64_t begin, int64_t end) {
+  heteroserve::parallel_for(0, N / kPanelWidth, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(K * kPanelWidth);
     for (int64_t m0 = 0; m0 < M; m0 += slice) {
       for (int64_t b = begin; b < end; ++b) {
@@ -253,7 +253,7 @@ void int8_grouped_dequantize(const at::Tensor& q_in, const at::Tensor& scale_in,
   const float* sd = scale.const_data_ptr<float>();
   const float* zd = zero.defined() ? zero.const_data_ptr<float>() : nullptr;
   float* od = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  heteroserve::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t g = 0; g < groups; ++g) {
         const float s = sd[n * groups + g], z = zd ? zd[n * groups + g] : 0.f;

@@ -5,7 +5,7 @@
 // Xeon where this reads at the memory's pace), 64+ rows are bound by multiplies (a tile of MR rows by NR columns
 // is kept in registers, the panel in L2, the rows' slice of x in L1/L2).
 
-#include <ATen/Parallel.h>
+#include "thread_pool.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -29,7 +29,7 @@ at::Tensor pack_linear_weight(const at::Tensor& w_in) {
   at::Tensor packed = at::zeros({panels, K, kPanel}, w.options());
   const float* src = w.const_data_ptr<float>();
   float* dst = packed.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  heteroserve::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t columns = std::min<int64_t>(kPanel, N - p * kPanel);
       for (int64_t j = 0; j < columns; ++j) {
@@ -64,7 +64,7 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& packed, int64
   const float* bd = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
   float* od = out.data_ptr<float>();
   const int64_t block = row_block(K);
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  heteroserve::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += block) {
       for (int64_t p = begin; p < end; ++p) {
         const int columns = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));

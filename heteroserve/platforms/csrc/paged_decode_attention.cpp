@@ -11,7 +11,7 @@
 // (`--kv-cache-dtype`): rows are widened as they are loaded, halving what a step reads.
 
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
+#include "thread_pool.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -281,7 +281,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor
   const cache_t* v_data = v_cache.const_data_ptr<cache_t>();
   scalar_t* out_data = out.data_ptr<scalar_t>();
   const int64_t num_items = static_cast<int64_t>(runs.size()) * items_per_run;
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+  heteroserve::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     Workspace workspace;
     for (int64_t index = begin; index < end; ++index) {
       const auto [b, rows] = runs[index / items_per_run];
@@ -339,7 +339,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const int64_t width = block_tables.size(1);
   const auto runs = runs_of_equal_tables(table_data, B, width);
   // Whole requests per item when there are enough of them to share out; otherwise (request, KV head).
-  const int64_t heads_per_item = static_cast<int64_t>(runs.size()) >= 4 * at::get_num_threads() ? Hkv : 1;
+  const int64_t heads_per_item = static_cast<int64_t>(runs.size()) >= 4 * heteroserve::num_threads() ? Hkv : 1;
   const Shape shape{L, block_size, Hkv, Hq / Hkv, D, heads_per_item};
   const float s = static_cast<float>(scale);
   if (cache_type == at::kHalf && q.scalar_type() == at::kFloat) {

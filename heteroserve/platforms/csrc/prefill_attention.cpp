@@ -8,7 +8,7 @@
 // item = (query head, kTileRows consecutive queries): their scores over the keys the last of them may see go to
 // a row buffer, softmax in two passes as in paged decode attention, then P V with the same tile.
 
-#include <ATen/Parallel.h>
+#include "thread_pool.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -48,7 +48,7 @@ std::pair<at::Tensor, at::Tensor> pack_keys_values(const at::Tensor& keys, const
   const T* v = values.const_data_ptr<T>();
   float* kp = k_packed.data_ptr<float>();
   float* vp = v_packed.data_ptr<float>();
-  at::parallel_for(0, Hkv, 1, [&](int64_t begin, int64_t end) {
+  heteroserve::parallel_for(0, Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h) {
       for (int64_t j = 0; j < ctx; ++j) {
         const T* k_row = k + j * k_strides[0] + h * k_strides[1];
@@ -166,7 +166,7 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& keys_in, 
     const float fscale = static_cast<float>(scale);
 
     // Head-major: threads share the heads.
-    at::parallel_for(0, Hq * blocks, 1, [&](int64_t begin, int64_t end) {
+    heteroserve::parallel_for(0, Hq * blocks, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> query(kTileRows * D), scores(kTileRows * row_stride(key_panels * kPanel));
       std::vector<float> probs(kTileRows * row_stride(ctx));
       // P V's rows: in place in a float32 output (stride Hq * D), else here (stride D) until rounded into it.
