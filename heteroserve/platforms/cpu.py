@@ -292,11 +292,13 @@ class CpuPlatform(Platform):
 
     def configure_process(self) -> None:
         """The process's thread count: HETEROSERVE_NUM_THREADS, else torch's (the cores, or a tensor-parallel
-        rank's share), for torch's operators (loading the model) and the C++ kernels' own pool. The pool's threads
+        rank's share), for the C++ kernels' own pool (loading the model packs weights there). The pool's threads
         spin for HETEROSERVE_KERNEL_SPIN_US after a kernel (the next one of a step follows within microseconds),
         then sleep; OpenMP's variables (OMP_WAIT_POLICY, GOMP_SPINCOUNT) do not reach it."""
         self.threads = int(os.environ.get("HETEROSERVE_NUM_THREADS") or torch.get_num_threads())
-        torch.set_num_threads(self.threads)
+        # torch's team starts only if assign_threads asks for it: under OMP_WAIT_POLICY=ACTIVE its threads, once
+        # started, spin for the process's life (a 0.58x decode beside the pool, bench/results/kernel_threads/).
+        torch.set_num_threads(1 if cpu_kernels.load_library() else self.threads)
         if cpu_kernels.load_library():
             spin_us = int(os.environ.get("HETEROSERVE_KERNEL_SPIN_US", DEFAULT_KERNEL_SPIN_US))
             torch.ops.heteroserve.set_kernel_threads(self.threads, spin_us)

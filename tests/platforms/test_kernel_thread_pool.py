@@ -146,4 +146,4 @@ def test_the_platform_sets_the_pool_from_the_environment(library):
     }
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split("\n")[:2] == ["[3, 77] 3", "3 77"]
+    assert result.stdout.split("\n")[:2] == ["[3, 77] 1", "3 77"]  # torch's team waits for assign_threads
