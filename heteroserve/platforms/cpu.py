@@ -298,8 +298,9 @@ class CpuPlatform(Platform):
         self.threads = int(os.environ.get("HETEROSERVE_NUM_THREADS") or torch.get_num_threads())
         # torch's team starts only if assign_threads asks for it: under OMP_WAIT_POLICY=ACTIVE its threads, once
         # started, spin for the process's life (a 0.58x decode beside the pool, bench/results/kernel_threads/).
-        torch.set_num_threads(1 if cpu_kernels.load_library() else self.threads)
-        if cpu_kernels.load_library():
+        own_kernels = cpu_kernels.load_library()
+        torch.set_num_threads(1 if own_kernels else self.threads)
+        if own_kernels:
             spin_us = int(os.environ.get("HETEROSERVE_KERNEL_SPIN_US", DEFAULT_KERNEL_SPIN_US))
             torch.ops.heteroserve.set_kernel_threads(self.threads, spin_us)
 
