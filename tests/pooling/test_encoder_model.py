@@ -10,6 +10,7 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 
 from heteroserve.config import ModelConfig
 from heteroserve.model.loader import LoadedModel, load_model
+from heteroserve.model.loader.encoder_weights import ENCODER_PROJECTIONS
 from heteroserve.platforms import resolve_platform
 from heteroserve.pooling_params import PoolingParams
 from tests.pooling.direct import hidden_states, pooled, tokenize
@@ -118,10 +119,21 @@ def test_mixed_lengths_in_one_forward_equal_each_alone(name, request):
 
 
 def test_int8_load_time_quantisation_stays_close(bert_embedder, xlmr_cross_encoder):
+    """Rounding each weight to 8 bits (about 0.5% noise per weight) moves these deliberately sharp random models'
+    embeddings to cosine 0.98-0.998 of the float model's over seeds. What we compute from the 8-bit weights is
+    checked at float32 precision against sentence-transformers running the same rounded weights."""
     embedder = load(bert_embedder, quantization="int8")
     assert type(embedder.model.layers[0].qkv_proj).__name__ != "Parameter"  # the projections were quantised
     assert embedder.model.weight_bytes() < 0.5 * load(bert_embedder).model.weight_bytes()
-    assert_embeddings_match(pooled(embedder, TEXTS, PoolingParams()), st_embeddings(bert_embedder, TEXTS), 0.99)
+    ours = pooled(embedder, TEXTS, PoolingParams())
+    rounded = SentenceTransformer(str(bert_embedder.folder), device="cpu")
+    with torch.no_grad():
+        for name, param in rounded.named_parameters():
+            if name.endswith(ENCODER_PROJECTIONS):  # symmetric, one scale per output row, as `--quantization int8`
+                scale = param.abs().amax(1, keepdim=True) / 127
+                param.copy_((param / scale).round().clamp(-127, 127) * scale)
+    assert_embeddings_match(ours, rounded.encode(TEXTS, convert_to_tensor=True))
+    assert_embeddings_match(ours, st_embeddings(bert_embedder, TEXTS), 0.97)
     scorer = load(xlmr_cross_encoder, quantization="int8")
     error = (pooled(scorer, PAIRS, PoolingParams(task="score"))[:, 0] - ce_scores(xlmr_cross_encoder, PAIRS)).abs()
     print(f"int8 scores: max abs difference {error.max():.2e}")
