@@ -14,7 +14,7 @@ from heteroserve.platforms import cpu_kernels
 from heteroserve.platforms.cpu_decode_layer import fuse_decode_layer
 from heteroserve.platforms.cpu_int4 import CpuInt4Weight
 from heteroserve.platforms.cpu_int8 import CpuGroupedInt8Weight, CpuInt8Weight
-from heteroserve.platforms.cpu_packed import CpuPackedWeight
+from heteroserve.platforms.cpu_packed import CpuPackedWeight, bfloat16_gemm_available
 from heteroserve.platforms.interface import Platform
 from heteroserve.platforms.operators import DecodeLayerFuser, Kernel, LinearOp
 from heteroserve.quantization.act_order import PermutedInput
@@ -109,12 +109,12 @@ def host_memory() -> tuple[int, int]:
 
 class CpuLinear(LinearOp):
     """Float32 weights packed once for our C++ GEMM (cpu_packed.py: one kernel for every batch size, reading the
-    weight as one stream); bfloat16 ones (or float32 ones without the C++ library) repacked once for oneDNN,
-    about 2x eager torch.matmul at 1-64 rows and 1.3x at 512+ on a 2-core AVX-512 machine. Compressed
-    weights go to torch's int4 kernel (CpuInt4Weight) or per-channel int8 kernel (CpuInt8Weight) where it has
-    one; grouped 8-bit weights stay 8-bit with float32 activations (CpuGroupedInt8Weight: our C++ kernel for
-    decode batches, slices dequantised in cache beyond); with other activation dtypes they are expanded once
-    at load."""
+    weight as one stream), bfloat16 ones for its AVX512-BF16 twin; elsewhere (no AVX512-BF16, no C++ library)
+    repacked once for oneDNN, about 2x eager torch.matmul at 1-64 rows and 1.3x at 512+ on a 2-core AVX-512
+    machine. 4-bit weights go to our 4-bit kernel (CpuInt4Weight), 8-bit ones stay 8-bit under our 8-bit
+    kernels (CpuGroupedInt8Weight, float32 arithmetic); without the C++ library, per-channel 8-bit weights go to
+    torch's int8 kernel (CpuInt8Weight), grouped ones to slices dequantised in cache with float32 activations,
+    and with other activation dtypes they are expanded once at load."""
 
     PACK_ROWS = 64  # the batch size oneDNN's layout is tuned for; other sizes work too
 
@@ -122,6 +122,7 @@ class CpuLinear(LinearOp):
         self,
         dtype: torch.dtype = torch.float32,
         packed_float32: bool = False,
+        packed_bfloat16: bool = False,
         int4_kernel: bool = False,
         int8_kernel: bool = False,
     ) -> None:
@@ -135,13 +136,16 @@ class CpuLinear(LinearOp):
         )
         self.dtype = dtype  # of the activations; weights expanded at load take it
         self.packed_float32 = packed_float32 and dtype == torch.float32
+        self.packed_bfloat16 = packed_bfloat16 and dtype == torch.bfloat16
         self.int4_kernel = int4_kernel
         self.int8_kernel = int8_kernel
-        self.name = "cpp packed gemm" if self.packed_float32 else "onednn-packed"
+        self.name = "cpp packed gemm" if self.packed_float32 or self.packed_bfloat16 else "onednn-packed"
 
     def _prepare_dense(self, weight: torch.Tensor) -> torch.Tensor | CpuPackedWeight:
         if self.packed_float32:
             return CpuPackedWeight.pack(weight)
+        if self.packed_bfloat16 and CpuPackedWeight.bfloat16_supports(weight):
+            return CpuPackedWeight.pack(weight, torch.bfloat16)
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_ROWS)
 
     def _prepare_int4(self, weight: Int4Weight) -> Int4Weight | CpuInt4Weight:
@@ -150,6 +154,10 @@ class CpuLinear(LinearOp):
         return weight
 
     def _prepare_int8(self, weight: Int8Weight) -> torch.Tensor | CompressedWeight:
+        # Our kernels first: float32 arithmetic at every batch size, on the pool that owns the cores (torch's
+        # int8 kernel rounds activations to bfloat16 up to 16 rows, and runs on torch's threads).
+        if weight.group_size % 16 == 0 and cpu_kernels.load_library():
+            return CpuGroupedInt8Weight(weight)
         if self.int8_kernel and CpuInt8Weight.supports(weight):
             return CpuInt8Weight.pack(weight)
         if self.dtype == torch.float32:
@@ -247,10 +255,12 @@ class CpuPlatform(Platform):
         if kernels != "auto":
             return LinearOp()
         packed_float32 = dtype == torch.float32 and cpu_kernels.load_library()
-        if packed_float32 or (dtype in (torch.float32, torch.bfloat16) and _onednn_works(dtype)):
+        packed_bfloat16 = dtype == torch.bfloat16 and bfloat16_gemm_available()
+        if packed_float32 or packed_bfloat16 or (dtype in (torch.float32, torch.bfloat16) and _onednn_works(dtype)):
             return CpuLinear(
                 dtype,
                 packed_float32=packed_float32,
+                packed_bfloat16=packed_bfloat16,
                 int4_kernel=_int4_kernel_works(),
                 int8_kernel=_int8_kernel_works(),
             )
@@ -304,15 +314,18 @@ class CpuPlatform(Platform):
             spin_us = int(os.environ.get("HETEROSERVE_KERNEL_SPIN_US", DEFAULT_KERNEL_SPIN_US))
             torch.ops.heteroserve.set_kernel_threads(self.threads, spin_us)
 
-    def assign_threads(self, dtype: torch.dtype) -> None:
-        """One team of threads owns the cores. With float32 activations the C++ kernels' pool runs every product,
-        attention and norm, and torch's operators (the glue between them) get one thread: an OpenMP team beside
-        the pool spins after each parallel torch operator on the cores the pool needs, which made scenario B as
-        shipped ~1.4x slower (bench/results/kernel_threads/). With other dtypes oneDNN runs the products on torch's
-        team, and the pool keeps only its caller's thread so as not to spin against it."""
+    def assign_threads(self, dtype: torch.dtype, kernels: str = "auto") -> None:
+        """One team of threads owns the cores. Where our GEMM runs the products (float32 activations; bfloat16
+        ones on AVX512-BF16) the C++ kernels' pool runs every product, attention and norm, and torch's operators
+        (the glue between them) get one thread: an OpenMP team beside the pool spins after each parallel torch
+        operator on the cores the pool needs, which made scenario B as shipped ~1.4x slower
+        (bench/results/kernel_threads/). Where oneDNN or the torch reference runs them, torch's team gets the
+        threads and the pool keeps only its caller's thread so as not to spin against it."""
         if cpu_kernels.load_library():
             _, spin_us = torch.ops.heteroserve.kernel_thread_settings()
-            own_products = dtype == torch.float32
+            own_products = kernels == "auto" and (
+                dtype == torch.float32 or (dtype == torch.bfloat16 and bfloat16_gemm_available())
+            )
             torch.ops.heteroserve.set_kernel_threads(self.threads if own_products else 1, spin_us)
             torch.set_num_threads(1 if own_products else self.threads)
         logger.info("CPU threads: %s", ", ".join(f"{k}={v}" for k, v in self.thread_settings().items()))

@@ -1,4 +1,5 @@
-"""Float32 weights packed once at load for the C++ GEMM (csrc/packed_linear.cpp).
+"""Weights packed once at load for our C++ GEMMs: float32 (csrc/packed_linear.cpp) and bfloat16 on AVX512-BF16's
+dot-product instruction (csrc/bf16_packed_linear.cpp), both on the kernels' own thread pool.
 
 Measured on a 2-core Intel Xeon (AVX-512, no BF16), all of SmolLM2's projections and its LM head with the
 weights streamed from memory (ms per forward's worth of products, same run): 1 row 20.3 vs oneDNN's packed
@@ -8,30 +9,52 @@ layout also read ~15 GB/s at one row in some runs, where this one streams at ~27
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from heteroserve.platforms import cpu_kernels
+
 
 @dataclass
 class CpuPackedWeight:
-    packed: torch.Tensor  # float32 [ceil(N / panel), K, panel]: the kernel's column panels
+    # The kernel's column panels: float32 [ceil(N / panel), K, panel], or bfloat16 [ceil(N / 32), K / 2, 32, 2]
+    # (pairs of rows of k interleaved, the operand layout of vdpbf16ps).
+    packed: torch.Tensor
     n: int  # output features (the last panel may be padded with zero columns)
 
     @classmethod
-    def pack(cls, weight: torch.Tensor) -> CpuPackedWeight:
+    def pack(cls, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> CpuPackedWeight:
+        if dtype == torch.bfloat16:
+            return cls(torch.ops.heteroserve.pack_bf16_linear_weight(weight.to(dtype)), weight.shape[0])
         return cls(torch.ops.heteroserve.pack_linear_weight(weight.float()), weight.shape[0])
+
+    @staticmethod
+    def bfloat16_supports(weight: torch.Tensor) -> bool:
+        """The bfloat16 kernel exists in this build (AVX512-BF16) and reads the weight's K in pairs."""
+        return weight.shape[1] % 2 == 0 and bfloat16_gemm_available()
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.n, self.packed.shape[1]
+        k = self.packed.shape[1] * (2 if self.packed.dim() == 4 else 1)
+        return self.n, k
 
     @property
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.packed.transpose(1, 2).reshape(-1, self.packed.shape[1])[: self.n].to(dtype)
+        _, k = self.shape
+        return self.packed.transpose(1, 2).reshape(-1, k)[: self.n].to(dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed.dtype == torch.bfloat16:
+            return torch.ops.heteroserve.bf16_packed_linear(x.to(torch.bfloat16), self.packed, self.n, bias)
         return torch.ops.heteroserve.packed_linear(x, self.packed, self.n, bias)
+
+
+@functools.cache
+def bfloat16_gemm_available() -> bool:
+    """Whether the C++ library has the bfloat16 GEMM (built where the compiler targets AVX512-BF16)."""
+    return cpu_kernels.load_library() and bool(torch.ops.heteroserve.bf16_gemm_available())

@@ -117,9 +117,10 @@ class Platform:
     def configure_process(self) -> None:
         """Per-process setup such as thread counts; called once before the model loads."""
 
-    def assign_threads(self, dtype: torch.dtype) -> None:
-        """Called once the model has loaded with activations of `dtype`: how the process's threads are shared
-        between torch's operators and the platform's own kernels from now on."""
+    def assign_threads(self, dtype: torch.dtype, kernels: str = "auto") -> None:
+        """Called once the model has loaded with activations of `dtype` and the `kernels` setting it loaded with:
+        how the process's threads are shared between torch's operators and the platform's own kernels from now
+        on."""
 
     def linear_op(self, dtype: torch.dtype, kernels: str = "auto") -> LinearOp:
         """The matrix-product kernel for weights of this dtype; `kernels="reference"` asks for plain torch."""

@@ -67,7 +67,7 @@ class Worker:
             )
         sharded = self.groups if parallel.world_size > 1 else None
         loaded = load_model(config.model, self.platform, config.device.kernels, sharded)
-        self.platform.assign_threads(loaded.dtype)
+        self.platform.assign_threads(loaded.dtype, config.device.kernels)
         self._decoder = StepDecoder()
         if isinstance(loaded.model, EncoderModel):
             self.runner = EncoderRunner(loaded, self.platform, config.cache, config.scheduler)

@@ -1,5 +1,5 @@
-"""The C++ packed float32 GEMM (cpu_packed.py) against float64 products: every tile and panel edge, biases,
-strided and batched inputs, and that the CPU platform's float32 models go through it."""
+"""The C++ packed GEMMs (cpu_packed.py) against float64 products: every tile and panel edge, biases, strided and
+batched inputs, and that the CPU platform's float32 (and, on AVX512-BF16, bfloat16) models go through them."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from heteroserve.platforms import cpu_kernels
 from heteroserve.platforms.cpu import CpuPlatform
-from heteroserve.platforms.cpu_packed import CpuPackedWeight
+from heteroserve.platforms.cpu_packed import CpuPackedWeight, bfloat16_gemm_available
 
 # (K, N): SmolLM2's projections, a last panel of 6 columns, a single output column, odd K
 PROJECTIONS = [(576, 960), (1536, 576), (64, 70), (33, 1), (7, 100)]
@@ -70,7 +70,7 @@ def test_bad_inputs_are_errors():
         packed.matmul(torch.randn(2, 32), torch.randn(15))
 
 
-def test_float32_models_use_it_and_bfloat16_ones_keep_onednn():
+def test_float32_and_bfloat16_models_use_it():
     platform = CpuPlatform()
     linear = platform.linear_op(torch.float32)
     assert linear.name == "cpp packed gemm"
@@ -78,4 +78,48 @@ def test_float32_models_use_it_and_bfloat16_ones_keep_onednn():
     assert isinstance(linear.prepare_lm_head(torch.randn(8, 16)), CpuPackedWeight)
     assert platform.linear_op(torch.float32, kernels="reference").name == "torch.linear"
     if torch.bfloat16 in platform.supported_dtypes():
-        assert platform.linear_op(torch.bfloat16).name == "onednn-packed"
+        linear = platform.linear_op(torch.bfloat16)
+        weight = linear.prepare(torch.randn(8, 16, dtype=torch.bfloat16))
+        if bfloat16_gemm_available():
+            assert linear.name == "cpp packed gemm"
+            assert isinstance(weight, CpuPackedWeight) and weight.packed.dtype == torch.bfloat16
+            assert not isinstance(linear.prepare(torch.randn(8, 15, dtype=torch.bfloat16)), CpuPackedWeight)  # odd K
+        else:
+            assert linear.name == "onednn-packed" and isinstance(weight, torch.Tensor)
+
+
+BF16_ULP = 2.0**-7
+
+
+@pytest.mark.skipif("not bfloat16_gemm_available()", reason="the bfloat16 GEMM needs AVX512-BF16")
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (64, 70), (2, 1), (34, 100)])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bfloat16_matches_a_float64_product_rounded_once(rows, k, n, with_bias):
+    """Products of bfloat16 values are exact in float32, so the result is the float64 product, up to float32
+    summation (at most K float32 roundings of the terms' magnitudes), rounded to bfloat16 once."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    x, w = torch.randn(rows, k, generator=gen).bfloat16(), torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
+    packed = CpuPackedWeight.pack(w, torch.bfloat16)
+    assert packed.shape == (n, k) and torch.equal(packed.dequantize(torch.bfloat16), w)
+    y = packed.matmul(x, b)
+    exact = _reference(x, w, b)
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    summation = k * 2.0**-24 * _reference(x.abs(), w.abs(), None if b is None else b.abs())
+    error = (y.double() - exact).abs()
+    bound = BF16_ULP / 2 * (exact.abs() + summation) + summation
+    assert (error <= bound).all(), float((error / bound).max())
+
+
+@pytest.mark.skipif("not bfloat16_gemm_available()", reason="the bfloat16 GEMM needs AVX512-BF16")
+def test_bfloat16_rows_are_the_same_alone_and_in_any_batch():
+    """Each row's sums run in one order whatever the batch: a request's outputs do not depend on its neighbours."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(960, 576, generator=gen).bfloat16()
+    packed = CpuPackedWeight.pack(w, torch.bfloat16)
+    x = torch.randn(300, 576, generator=gen).bfloat16()
+    batch = packed.matmul(x, None)
+    for rows in (1, 5, 12, 13, 64):
+        assert torch.equal(packed.matmul(x[:rows], None), batch[:rows])
+    assert torch.equal(packed.matmul(x[7:8], None), batch[7:8])

@@ -80,13 +80,15 @@ def test_int8_panel_kernel_against_dequantised_matmul(asymmetric, rows, group_si
     assert relative_error(CpuGroupedInt8Weight(weight).matmul(x, None), reference) <= 1e-5
 
 
-@pytest.mark.parametrize("kernels, tolerance", [("reference", 1e-4), ("auto", 5e-2)])
-def test_int8_quantisation_of_a_float_checkpoint(tmp_path, kernels, tolerance):
-    """--quantization int8 equals transformers running the same rounded weights."""
+@pytest.mark.parametrize("kernels", ["reference", "auto"])
+def test_int8_quantisation_of_a_float_checkpoint(tmp_path, kernels):
+    """--quantization int8 equals transformers running the same rounded weights: our 8-bit kernels compute in
+    float32 at every batch size, as the reference does."""
     tiny = save_tiny("llama3", tmp_path)
     llm = tiny.llm(quantization="int8", kernels=kernels)
     model = llm.engine.runner.model
-    assert isinstance(model.layers[0].gate_up_proj, CpuInt8Weight if kernels == "auto" else Int8Weight)
+    kept = CpuGroupedInt8Weight if kernels == "auto" and cpu_kernels.load_library() else Int8Weight
+    assert isinstance(model.layers[0].gate_up_proj, kept)
     with torch.no_grad():
         for name, module in tiny.reference.model.named_modules():
             if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")):
@@ -97,7 +99,7 @@ def test_int8_quantisation_of_a_float_checkpoint(tmp_path, kernels, tolerance):
     expected = torch.log_softmax(tiny.reference.logits(ids), dim=-1)
     for i in range(1, len(ids)):
         ours = torch.tensor([out[0].prompt_logprobs[i][t].logprob for t in range(vocab)])
-        assert float((ours - expected[i - 1]).abs().max()) <= tolerance * max(1.0, float(expected[i - 1].abs().max()))
+        assert float((ours - expected[i - 1]).abs().max()) <= 1e-4 * max(1.0, float(expected[i - 1].abs().max()))
 
 
 def test_fusing_mixed_parts_dequantises_in_the_engine_dtype():

@@ -1,0 +1,180 @@
+// y = x W^T + b in bfloat16 on AVX512-BF16's dot-product instruction, W packed once at load: panel p holds output
+// columns [p * 32, p * 32 + 32) as K / 2 runs of 32 column pairs (w[k, j], w[k + 1, j]), the operand layout of
+// vdpbf16ps, which adds x[k] * w[k, j] + x[k + 1] * w[k + 1, j] into column j's float32 sum. One weight read
+// feeds a tile of up to 12 rows, the panel streams from memory once per block of rows (packed_tile.h's schedule),
+// and every row's sums run in the same order whatever the batch, so a request's outputs do not depend on its
+// neighbours. The products run on the kernels' own pool, like the float32 GEMM's, so that with bfloat16
+// activations one team of threads owns the cores (cpu.py `assign_threads`).
+
+#include "thread_pool.h"
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#include "kernels.h"
+#include "packed_tile.h"
+
+namespace heteroserve {
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+namespace {
+
+constexpr int64_t kBf16Panel = 32;  // two vectors of 16 float32 sums
+
+// Rows [0, ROWS) of x times one panel; x rows are K bfloat16 apart, K even.
+template <int ROWS>
+inline void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* panel, const float* bias, c10::BFloat16* out,
+                      int64_t N, int columns, const char* ahead, int64_t ahead_lines) {
+  __m512 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int64_t pairs = K / 2;
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    const uint16_t* w = panel + kk * 2 * kBf16Panel;
+    __builtin_prefetch(w + kPrefetch * 2 * kBf16Panel);
+    __builtin_prefetch(w + kPrefetch * 2 * kBf16Panel + 32);
+    if (2 * kk < ahead_lines) {
+      __builtin_prefetch(ahead + 2 * kk * 64, 0, 2);
+      __builtin_prefetch(ahead + (2 * kk + 1) * 64, 0, 2);
+    }
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
+    for (int r = 0; r < ROWS; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * K + 2 * kk, sizeof(pair));
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xr, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, w1);
+    }
+  }
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (bias != nullptr) {
+    float padded[kBf16Panel] = {};
+    std::memcpy(padded, bias, columns * sizeof(float));
+    b0 = _mm512_loadu_ps(padded);
+    b1 = _mm512_loadu_ps(padded + 16);
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    const __m256bh lo = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0));
+    const __m256bh hi = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1));
+    if (columns == kBf16Panel) {
+      std::memcpy(out + r * N, &lo, sizeof(lo));
+      std::memcpy(out + r * N + 16, &hi, sizeof(hi));
+    } else {
+      c10::BFloat16 full[kBf16Panel];
+      std::memcpy(full, &lo, sizeof(lo));
+      std::memcpy(full + 16, &hi, sizeof(hi));
+      std::memcpy(out + r * N, full, columns * sizeof(c10::BFloat16));
+    }
+  }
+}
+
+template <int ROWS>
+inline void bf16_tile_upto(int rows, const uint16_t* x, int64_t K, const uint16_t* panel, const float* bias,
+                           c10::BFloat16* out, int64_t N, int columns, const char* ahead, int64_t ahead_lines) {
+  if constexpr (ROWS > 1) {
+    if (rows < ROWS) return bf16_tile_upto<ROWS - 1>(rows, x, K, panel, bias, out, N, columns, ahead, ahead_lines);
+  }
+  bf16_tile<ROWS>(x, K, panel, bias, out, N, columns, ahead, ahead_lines);
+}
+
+// Rows [m0, m1) times one panel in tiles of equal height; `next` (the panel read after this one) is fetched
+// into L2 a share per tile while this one's products run.
+void bf16_panel_rows(const uint16_t* x, int64_t m0, int64_t m1, int64_t K, const uint16_t* panel, const float* bias,
+                     c10::BFloat16* out, int64_t N, int columns, const uint16_t* next) {
+  const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
+  const int64_t lines = next ? K * kBf16Panel * 2 / 64 : 0, share = (lines + tiles - 1) / tiles;
+  for (int64_t t = 0, m = m0; t < tiles; ++t) {
+    const int rows = static_cast<int>((m1 - m + (tiles - t) - 1) / (tiles - t));
+    const int64_t first = std::min(lines, t * share), count = std::min(lines, first + share) - first;
+    bf16_tile_upto<kTileRows>(rows, x + m * K, K, panel, bias, out + m * N, N, columns,
+                              reinterpret_cast<const char*>(next) + first * 64, count);
+    m += rows;
+  }
+}
+
+}  // namespace
+
+// [N, K] bfloat16 -> [ceil(N / 32), K / 2, 32, 2], the last panel padded with zero columns. K must be even.
+at::Tensor pack_bf16_linear_weight(const at::Tensor& w_in) {
+  TORCH_CHECK(w_in.scalar_type() == at::kBFloat16 && w_in.dim() == 2 && w_in.size(1) % 2 == 0,
+              "pack_bf16_linear_weight: a bfloat16 [N, K] weight with K even");
+  const at::Tensor w = w_in.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + kBf16Panel - 1) / kBf16Panel;
+  at::Tensor packed = at::zeros({panels, K / 2, kBf16Panel, 2}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.const_data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  heteroserve::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t columns = std::min<int64_t>(kBf16Panel, N - p * kBf16Panel);
+      for (int64_t j = 0; j < columns; ++j) {
+        const uint16_t* row = src + (p * kBf16Panel + j) * K;
+        for (int64_t k = 0; k < K; ++k) dst[((p * (K / 2) + k / 2) * kBf16Panel + j) * 2 + k % 2] = row[k];
+      }
+    }
+  });
+  return packed;
+}
+
+at::Tensor bf16_packed_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
+                              const std::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "bf16_packed_linear: bfloat16 only");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBf16Panel && packed.size(3) == 2 && packed.is_contiguous(),
+              "bf16_packed_linear: the weight must come from pack_bf16_linear_weight");
+  const int64_t K = packed.size(1) * 2, panels = packed.size(0);
+  TORCH_CHECK(x_in.size(-1) == K, "bf16_packed_linear: x has ", x_in.size(-1), " features, the weight ", K);
+  TORCH_CHECK(N > (panels - 1) * kBf16Panel && N <= panels * kBf16Panel, "bf16_packed_linear: N does not match");
+  const at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  at::Tensor bias;
+  if (bias_in.has_value()) {
+    bias = bias_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias.numel() == N, "bf16_packed_linear: bias must have N values");
+  }
+  auto out_sizes = x_in.sizes().vec();
+  out_sizes.back() = N;
+  at::Tensor out = at::empty({M, N}, x.options());
+  const uint16_t* xd = reinterpret_cast<const uint16_t*>(x.const_data_ptr<at::BFloat16>());
+  const uint16_t* wd = reinterpret_cast<const uint16_t*>(packed.const_data_ptr<at::BFloat16>());
+  const float* bd = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
+  c10::BFloat16* od = out.data_ptr<c10::BFloat16>();
+  const int64_t block = std::max<int64_t>(kTileRows, kRowBlockBytes / (K * 2) / kTileRows * kTileRows);
+  const int64_t panel_size = K * kBf16Panel;
+  heteroserve::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int columns = static_cast<int>(std::min<int64_t>(kBf16Panel, N - p * kBf16Panel));
+        bf16_panel_rows(xd, m0, std::min(M, m0 + block), K, wd + p * panel_size, bd ? bd + p * kBf16Panel : nullptr,
+                        od + p * kBf16Panel, N, columns, p + 1 < end ? wd + (p + 1) * panel_size : nullptr);
+      }
+    }
+  });
+  return out.view(out_sizes);
+}
+#endif
+
+bool bf16_gemm_available() {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace heteroserve
+
+TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
+  m.def("bf16_gemm_available() -> bool");
+  m.impl("bf16_gemm_available", &heteroserve::bf16_gemm_available);
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  m.def("pack_bf16_linear_weight(Tensor w) -> Tensor");
+  m.def("bf16_packed_linear(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor");
+  m.impl("pack_bf16_linear_weight", c10::DispatchKey::CPU, &heteroserve::pack_bf16_linear_weight);
+  m.impl("bf16_packed_linear", c10::DispatchKey::CPU, &heteroserve::bf16_packed_linear);
+#endif
+}
