@@ -24,8 +24,15 @@ class ChatProcess:
     def __init__(self, *args: str) -> None:
         command = [sys.executable, "-m", "heteroserve.entrypoints.cli", "chat", "--no-color", *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Ctrl-C as at a terminal even where the tests run in the background (a shell without job control starts
+        # them ignoring SIGINT, and the child would inherit that).
         self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         self.chunks: list[tuple[float, str]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
