@@ -157,10 +157,10 @@ def test_min_tokens_and_stop_token_ids(llm, default_tokenizer):
 def test_n_samples_share_the_prompt_blocks(llm, default_tokenizer):
     ids = default_tokenizer.encode(" ".join(["A long shared prompt about the sea and the sky."] * 8))
     before = llm.engine.stats().prefix_hits
-    out = _run(llm, [ids], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8))[0]
+    out = _run(llm, [ids], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=24))[0]
     assert [o.index for o in out.outputs] == [0, 1, 2, 3]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     block = llm.engine.config.cache.block_size
     assert llm.engine.stats().prefix_hits - before >= 3 * ((len(ids) - 1) // block * block)
-    again = _run(llm, [ids], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8))[0]
+    again = _run(llm, [ids], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=24))[0]
     assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
