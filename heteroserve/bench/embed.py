@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from heteroserve.bench.machine import describe_machine
+from heteroserve.bench.machine import describe_machine, torch_at_full_threads
 from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.engine.llm_engine import LLMEngine
+from heteroserve.platforms.cpu import process_threads
 from heteroserve.pooling_params import PoolingParams
 
 VOCABULARY_WORDS = 2000
@@ -121,7 +122,8 @@ def run_embed_bench(args: argparse.Namespace) -> dict:
         reference = SentenceTransformer(str(folder), device="cpu")
         num_tokens = sum(len(reference.tokenizer(t)["input_ids"]) for t in texts)
         embed(engine, texts[:8])  # warm-up: first-use kernel builds and allocations
-        reference.encode(texts[:8], convert_to_tensor=True)
+        with torch_at_full_threads():
+            reference.encode(texts[:8], convert_to_tensor=True)
         ours_s: list[float] = []
         theirs_s: list[float] = []
         for index in range(args.rounds):
@@ -129,7 +131,8 @@ def run_embed_bench(args: argparse.Namespace) -> dict:
             ours = embed(engine, texts)
             ours_s.append(time.perf_counter() - start)
             start = time.perf_counter()
-            theirs = reference.encode(texts, batch_size=args.st_batch_size, convert_to_tensor=True)
+            with torch_at_full_threads():
+                theirs = reference.encode(texts, batch_size=args.st_batch_size, convert_to_tensor=True)
             theirs_s.append(time.perf_counter() - start)
             print(
                 f"round {index + 1}: heteroserve {ours_s[-1]:.2f} s, sentence-transformers {theirs_s[-1]:.2f} s, "
@@ -153,7 +156,7 @@ def run_embed_bench(args: argparse.Namespace) -> dict:
             "ratio_per_round": ratios,
             "ratio_median": statistics.median(ratios),
             "min_cosine_vs_sentence_transformers": float(cosine.min()),
-            "threads": torch.get_num_threads(),
+            "threads": process_threads(),
             "machine": describe_machine(engine.platform),
             "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         }

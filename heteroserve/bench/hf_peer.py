@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from heteroserve.bench.machine import torch_at_full_threads
 from heteroserve.model.loader.source import ModelSource
 
 Requests = list[tuple[list[int], int]]
@@ -42,6 +43,10 @@ class HFPeer:
 
     @torch.inference_mode()
     def _generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        with torch_at_full_threads():
+            return self._generate_on_torch_threads(prompts, max_new_tokens)
+
+    def _generate_on_torch_threads(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])

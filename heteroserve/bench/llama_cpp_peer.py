@@ -6,14 +6,12 @@ llama.cpp's own server and `llama-batched-bench` are the way to measure its batc
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
-import torch
-
 from heteroserve.bench.hf_peer import PeerRun, Requests
 from heteroserve.model.loader.source import ModelSource
+from heteroserve.platforms.cpu import process_threads
 
 
 def llama_cpp_missing() -> str | None:
@@ -37,7 +35,7 @@ class LlamaCppPeer:
         self.model = Llama(
             model_path=str(source.gguf_file),
             n_ctx=context_len,
-            n_threads=int(os.environ.get("HETEROSERVE_NUM_THREADS") or torch.get_num_threads()),
+            n_threads=process_threads(),
             verbose=False,
         )
         self._generate([1, 2, 3], 2)  # warm-up, outside any timing

@@ -16,8 +16,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from heteroserve.bench.machine import torch_at_full_threads
 from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.engine.llm_engine import LLMEngine
+from heteroserve.platforms.cpu import process_threads
 from heteroserve.sampling_params import RequestOutputKind, SamplingParams
 
 QUESTION = "Describe this image."
@@ -129,11 +131,12 @@ def run_vision_bench(args: argparse.Namespace) -> dict:
         "image_size": args.image_size,
         "output_len": args.output_len,
         "dtype": str(engine.dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
+        "threads": process_threads(),
         "heteroserve": _ours(engine, ids, picture, args.output_len, args.repeats),
     }
     if not args.no_peer:
-        result["transformers"] = _transformers(args.model, engine, ids, picture, args.output_len, args.repeats)
+        with torch_at_full_threads():
+            result["transformers"] = _transformers(args.model, engine, ids, picture, args.output_len, args.repeats)
     result["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
     print(json.dumps(result, indent=2))
     if args.output_json:

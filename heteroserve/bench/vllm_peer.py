@@ -17,6 +17,7 @@ import torch
 
 from heteroserve.bench.hf_peer import PeerRun, Requests
 from heteroserve.bench.serve import OwnServer
+from heteroserve.platforms.cpu import process_threads
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 KV_CACHE_GIB = 4  # VLLM_CPU_KVCACHE_SPACE: vLLM's CPU KV cache, in GiB, as peers.md's runs had it
@@ -41,7 +42,7 @@ def vllm_environment() -> dict[str, str]:
     """peers.md's settings for vLLM's CPU build: the KV cache space, OpenMP threads bound to as many cores as ours
     use, none reserved, and Debian's tcmalloc and the virtualenv's libiomp5 preloaded where present (vLLM's
     documented CPU set-up)."""
-    threads = int(os.environ.get("HETEROSERVE_NUM_THREADS") or torch.get_num_threads())
+    threads = process_threads()
     env = {
         "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",

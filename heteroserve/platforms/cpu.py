@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import logging
 import os
 import platform as pyplatform
+from collections.abc import Iterator
 
 import torch
 
@@ -94,6 +97,18 @@ def cpu_isa_flags() -> set[str]:
 def isa_names(flags: set[str]) -> list[str]:
     """The detected extensions by their usual names (AVX-512, AMX, NEON, SVE), in a fixed order."""
     return [name for flag, name in ISA_NAMES.items() if flag in flags]
+
+
+@functools.cache
+def _threads_at_start() -> int:
+    return torch.get_num_threads()
+
+
+def process_threads() -> int:
+    """The threads this process runs on: HETEROSERVE_NUM_THREADS, else torch's count as it was before any engine
+    changed it (the cores, or the share a tensor-parallel worker was started with). Read before the first
+    engine's `configure_process`, so a second engine in the process, and a bench's peers, get the same."""
+    return int(os.environ.get("HETEROSERVE_NUM_THREADS") or _threads_at_start())
 
 
 def host_memory() -> tuple[int, int]:
@@ -241,7 +256,7 @@ class CpuPlatform(Platform):
     def __init__(self) -> None:
         super().__init__()
         self.isa = cpu_isa_flags()
-        self.threads = torch.get_num_threads()  # the process's share of the cores (configure_process)
+        self.threads = process_threads()  # the process's share of the cores
 
     def supported_dtypes(self) -> list[torch.dtype]:
         dtypes = [torch.float32]
@@ -305,7 +320,7 @@ class CpuPlatform(Platform):
         rank's share), for the C++ kernels' own pool (loading the model packs weights there). The pool's threads
         spin for HETEROSERVE_KERNEL_SPIN_US after a kernel (the next one of a step follows within microseconds),
         then sleep; OpenMP's variables (OMP_WAIT_POLICY, GOMP_SPINCOUNT) do not reach it."""
-        self.threads = int(os.environ.get("HETEROSERVE_NUM_THREADS") or torch.get_num_threads())
+        self.threads = process_threads()
         # torch's team starts only if assign_threads asks for it: under OMP_WAIT_POLICY=ACTIVE its threads, once
         # started, spin for the process's life (a 0.58x decode beside the pool, bench/results/kernel_threads/).
         own_kernels = cpu_kernels.load_library()
@@ -329,6 +344,17 @@ class CpuPlatform(Platform):
             torch.ops.heteroserve.set_kernel_threads(self.threads if own_products else 1, spin_us)
             torch.set_num_threads(1 if own_products else self.threads)
         logger.info("CPU threads: %s", ", ".join(f"{k}={v}" for k, v in self.thread_settings().items()))
+
+    @contextlib.contextmanager
+    def torch_operators(self) -> Iterator[None]:
+        """torch's team gets the process's threads while plain torch operators run (a vision tower: nn.Linear and
+        SDPA), and one thread again afterwards where the pool owns the cores."""
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
 
     def thread_settings(self) -> dict[str, object]:
         """The kernels' pool and torch's OpenMP team as this process runs them (start-up log, `heteroserve env`)."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 from collections import Counter
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -121,6 +123,12 @@ class Platform:
         """Called once the model has loaded with activations of `dtype` and the `kernels` setting it loaded with:
         how the process's threads are shared between torch's operators and the platform's own kernels from now
         on."""
+
+    @contextlib.contextmanager
+    def torch_operators(self) -> Iterator[None]:
+        """Around a stretch of plain torch operators that does not go through the platform's kernels (a vision
+        tower): the threads torch gets meanwhile. By default nothing changes."""
+        yield
 
     def linear_op(self, dtype: torch.dtype, kernels: str = "auto") -> LinearOp:
         """The matrix-product kernel for weights of this dtype; `kernels="reference"` asks for plain torch."""

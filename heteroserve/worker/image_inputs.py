@@ -12,12 +12,14 @@ import torch
 from heteroserve.core.scheduler import ScheduledRequest
 from heteroserve.model.vision.encoder import VisionEncoder
 from heteroserve.multimodal.inputs import MultimodalInputs
+from heteroserve.platforms import Platform
 
 
 class ImageInputs:
-    def __init__(self, encoder: VisionEncoder, device: torch.device) -> None:
+    def __init__(self, encoder: VisionEncoder, platform: Platform) -> None:
         self.encoder = encoder
-        self.device = device
+        self.platform = platform
+        self.device = platform.device
         # (request id, image index) -> [tokens, 1 + DeepStack layers, hidden], see VisionEncoder.forward
         self._embeddings: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -58,7 +60,8 @@ class ImageInputs:
         key = (request_id, index)
         if key not in self._embeddings:
             image = mm.images[index]
-            self._embeddings[key] = self.encoder(image.pixel_values, image.grid_thw)
+            with self.platform.torch_operators():  # the tower is plain torch, not the platform's kernels
+                self._embeddings[key] = self.encoder(image.pixel_values, image.grid_thw)
         return self._embeddings[key]
 
 

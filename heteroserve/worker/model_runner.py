@@ -91,7 +91,7 @@ class ModelRunner:
         self.attn_backend = loaded.model.attn_backend
         self.sampler = Sampler(self.model.ops.argmax_rows)
         self.pooler = loaded.pooler  # a decoder serving embeddings: pooled hidden states instead of tokens
-        self.images = ImageInputs(loaded.vision, self.device) if loaded.vision is not None else None
+        self.images = ImageInputs(loaded.vision, platform) if loaded.vision is not None else None
         self.lora = None
         if lora_config is not None:
             self.lora = LoRAManager(lora_config, self.model.shard, self.dtype, self.device)
