@@ -147,3 +147,27 @@ def test_the_platform_sets_the_pool_from_the_environment(library):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split("\n")[:2] == ["[3, 77] 1", "3 77"]  # torch's team waits for assign_threads
+
+
+def test_every_engine_of_a_process_and_its_peers_get_the_same_threads(library):
+    """A second engine in the process (after the first gave torch one thread), the bench's peers and a vision
+    tower's torch operators all get the process's thread count."""
+    script = (
+        "import torch\n"
+        "torch.set_num_threads(3)\n"
+        "from heteroserve.platforms.cpu import CpuPlatform\n"
+        "from heteroserve.bench.vllm_peer import vllm_environment\n"
+        "from heteroserve.bench.machine import torch_at_full_threads\n"
+        "for _ in range(2):\n"
+        "    platform = CpuPlatform(); platform.configure_process(); platform.assign_threads(torch.float32)\n"
+        "    print(torch.ops.heteroserve.kernel_thread_settings()[0], torch.get_num_threads())\n"
+        "with platform.torch_operators():\n"
+        "    print(torch.get_num_threads())\n"
+        "with torch_at_full_threads():\n"
+        "    print(torch.get_num_threads())\n"
+        "print(torch.get_num_threads(), vllm_environment()['VLLM_CPU_OMP_THREADS_BIND'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "HETEROSERVE_NUM_THREADS"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[:5] == ["3 1", "3 1", "3", "3", "1 0-2"]
