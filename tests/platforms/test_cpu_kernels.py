@@ -117,6 +117,10 @@ def test_half_precision_caches_accumulate_in_float32(kernel, dtype):
     assert out.dtype == dtype
     expected = reference_ops.decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, mask, scale)
     assert _relative_error(out, expected) < 1e-2  # the output's own rounding
+    # float32 arithmetic inside, each output rounded once: within half a unit in the last place (plus a hair)
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    error = (out.double() - expected.double()).abs()
+    assert (error <= ulp / 2 * expected.double().abs() + 1e-5).all(), float(error.max())
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
