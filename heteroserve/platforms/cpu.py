@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
@@ -157,7 +158,8 @@ class CpuLinear(LinearOp):
         self.name = "cpp packed gemm" if self.packed_float32 or self.packed_bfloat16 else "onednn-packed"
 
     def _prepare_dense(self, weight: torch.Tensor) -> torch.Tensor | CpuPackedWeight:
-        if self.packed_float32:
+        # A float32 weight under bfloat16 activations (prepare_lm_head's 8-bit head) stays float32, as in oneDNN.
+        if self.packed_float32 or (weight.dtype == torch.float32 and self.packed_bfloat16):
             return CpuPackedWeight.pack(weight)
         if self.packed_bfloat16 and CpuPackedWeight.bfloat16_supports(weight):
             return CpuPackedWeight.pack(weight, torch.bfloat16)
@@ -191,7 +193,12 @@ class CpuLinear(LinearOp):
         # "L'Étoile, la Marseillaise, ...".
         if self.packer_for(weight) == self._prepare_int8:
             return CpuGroupedInt8Weight(weight) if self.dtype == torch.float32 else self.prepare(weight.dequantize())
-        return self.prepare(weight)
+        prepared = self.prepare(weight)
+        if isinstance(prepared, CpuPackedWeight) and prepared.packed.dtype == torch.bfloat16:
+            # bfloat16 logits are 1/8 apart near 20: the default model's teacher-forced argmax agreed with its
+            # float32 run at 97.8% of the workload's positions, with float32 logits at 98.8% (bench quality)
+            return dataclasses.replace(prepared, float_output=True)
+        return prepared
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor | CompressedWeight, bias: torch.Tensor | None = None

@@ -23,6 +23,7 @@ class CpuPackedWeight:
     # (pairs of rows of k interleaved, the operand layout of vdpbf16ps).
     packed: torch.Tensor
     n: int  # output features (the last panel may be padded with zero columns)
+    float_output: bool = False  # bfloat16 weights giving float32 results (an LM head's logits)
 
     @classmethod
     def pack(cls, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> CpuPackedWeight:
@@ -50,8 +51,11 @@ class CpuPackedWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed.dtype == torch.bfloat16:
-            return torch.ops.heteroserve.bf16_packed_linear(x.to(torch.bfloat16), self.packed, self.n, bias)
-        return torch.ops.heteroserve.packed_linear(x, self.packed, self.n, bias)
+            return torch.ops.heteroserve.bf16_packed_linear(
+                x.to(torch.bfloat16), self.packed, self.n, bias, self.float_output
+            )
+        # x widened where the weight is float32 under bfloat16 activations (an 8-bit LM head: float32 logits)
+        return torch.ops.heteroserve.packed_linear(x.float(), self.packed, self.n, bias)
 
 
 @functools.cache

@@ -3,12 +3,15 @@ batched inputs, and that the CPU platform's float32 (and, on AVX512-BF16, bfloat
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from heteroserve.platforms import cpu_kernels
 from heteroserve.platforms.cpu import CpuPlatform
 from heteroserve.platforms.cpu_packed import CpuPackedWeight, bfloat16_gemm_available
+from heteroserve.quantization.int8 import quantize_int8
 
 # (K, N): SmolLM2's projections, a last panel of 6 columns, a single output column, odd K
 PROJECTIONS = [(576, 960), (1536, 576), (64, 70), (33, 1), (7, 100)]
@@ -65,7 +68,7 @@ def test_bad_inputs_are_errors():
     with pytest.raises(RuntimeError, match="x has 31 features, the weight 32"):
         packed.matmul(torch.randn(2, 31), None)
     with pytest.raises(RuntimeError, match="float32 only"):
-        packed.matmul(torch.randn(2, 32, dtype=torch.bfloat16), None)
+        torch.ops.heteroserve.packed_linear(torch.randn(2, 32, dtype=torch.bfloat16), packed.packed, 16, None)
     with pytest.raises(RuntimeError, match="bias must be float32"):
         packed.matmul(torch.randn(2, 32), torch.randn(15))
 
@@ -83,7 +86,15 @@ def test_float32_and_bfloat16_models_use_it():
         if bfloat16_gemm_available():
             assert linear.name == "cpp packed gemm"
             assert isinstance(weight, CpuPackedWeight) and weight.packed.dtype == torch.bfloat16
+            assert linear.prepare_lm_head(torch.randn(8, 16, dtype=torch.bfloat16)).float_output  # float32 logits
             assert not isinstance(linear.prepare(torch.randn(8, 15, dtype=torch.bfloat16)), CpuPackedWeight)  # odd K
+            # an 8-bit LM head multiplies in float32: float32 logits from bfloat16 activations
+            head = linear.prepare_lm_head(quantize_int8(torch.randn(64, 32), group_size=32))
+            assert isinstance(head, CpuPackedWeight) and head.packed.dtype == torch.float32
+            x = torch.randn(3, 32).bfloat16()
+            logits = linear(x, head)
+            assert logits.dtype == torch.float32
+            torch.testing.assert_close(logits, x.float() @ head.dequantize().T, rtol=1e-5, atol=1e-5)
         else:
             assert linear.name == "onednn-packed" and isinstance(weight, torch.Tensor)
 
@@ -110,6 +121,8 @@ def test_bfloat16_matches_a_float64_product_rounded_once(rows, k, n, with_bias):
     error = (y.double() - exact).abs()
     bound = BF16_ULP / 2 * (exact.abs() + summation) + summation
     assert (error <= bound).all(), float((error / bound).max())
+    logits = dataclasses.replace(packed, float_output=True).matmul(x, b)  # an LM head's: not rounded
+    assert logits.dtype == torch.float32 and bool(((logits.double() - exact).abs() <= summation).all())
 
 
 @pytest.mark.skipif("not bfloat16_gemm_available()", reason="the bfloat16 GEMM needs AVX512-BF16")

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 
 #include "kernels.h"
 #include "packed_tile.h"
@@ -27,10 +28,11 @@ namespace {
 
 constexpr int64_t kBf16Panel = 32;  // two vectors of 16 float32 sums
 
-// Rows [0, ROWS) of x times one panel; x rows are K bfloat16 apart, K even.
-template <int ROWS>
-inline void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* panel, const float* bias, c10::BFloat16* out,
-                      int64_t N, int columns, const char* ahead, int64_t ahead_lines) {
+// Rows [0, ROWS) of x times one panel; x rows are K bfloat16 apart, K even. out_t: bfloat16 (rounded once) or
+// float32 (an LM head's logits).
+template <int ROWS, typename out_t>
+inline void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* panel, const float* bias, out_t* out, int64_t N,
+                      int columns, const char* ahead, int64_t ahead_lines) {
   __m512 acc[ROWS][2];
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const int64_t pairs = K / 2;
@@ -59,23 +61,24 @@ inline void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* panel, const
     b1 = _mm512_loadu_ps(padded + 16);
   }
   for (int r = 0; r < ROWS; ++r) {
-    const __m256bh lo = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0));
-    const __m256bh hi = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1));
-    if (columns == kBf16Panel) {
-      std::memcpy(out + r * N, &lo, sizeof(lo));
-      std::memcpy(out + r * N + 16, &hi, sizeof(hi));
+    out_t full[kBf16Panel];
+    out_t* row = columns == kBf16Panel ? out + r * N : full;
+    if constexpr (std::is_same_v<out_t, float>) {
+      _mm512_storeu_ps(row, _mm512_add_ps(acc[r][0], b0));
+      _mm512_storeu_ps(row + 16, _mm512_add_ps(acc[r][1], b1));
     } else {
-      c10::BFloat16 full[kBf16Panel];
-      std::memcpy(full, &lo, sizeof(lo));
-      std::memcpy(full + 16, &hi, sizeof(hi));
-      std::memcpy(out + r * N, full, columns * sizeof(c10::BFloat16));
+      const __m256bh lo = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0));
+      const __m256bh hi = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1));
+      std::memcpy(row, &lo, sizeof(lo));
+      std::memcpy(row + 16, &hi, sizeof(hi));
     }
+    if (columns != kBf16Panel) std::memcpy(out + r * N, full, columns * sizeof(out_t));
   }
 }
 
-template <int ROWS>
+template <int ROWS, typename out_t>
 inline void bf16_tile_upto(int rows, const uint16_t* x, int64_t K, const uint16_t* panel, const float* bias,
-                           c10::BFloat16* out, int64_t N, int columns, const char* ahead, int64_t ahead_lines) {
+                           out_t* out, int64_t N, int columns, const char* ahead, int64_t ahead_lines) {
   if constexpr (ROWS > 1) {
     if (rows < ROWS) return bf16_tile_upto<ROWS - 1>(rows, x, K, panel, bias, out, N, columns, ahead, ahead_lines);
   }
@@ -84,8 +87,9 @@ inline void bf16_tile_upto(int rows, const uint16_t* x, int64_t K, const uint16_
 
 // Rows [m0, m1) times one panel in tiles of equal height; `next` (the panel read after this one) is fetched
 // into L2 a share per tile while this one's products run.
+template <typename out_t>
 void bf16_panel_rows(const uint16_t* x, int64_t m0, int64_t m1, int64_t K, const uint16_t* panel, const float* bias,
-                     c10::BFloat16* out, int64_t N, int columns, const uint16_t* next) {
+                     out_t* out, int64_t N, int columns, const uint16_t* next) {
   const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
   const int64_t lines = next ? K * kBf16Panel * 2 / 64 : 0, share = (lines + tiles - 1) / tiles;
   for (int64_t t = 0, m = m0; t < tiles; ++t) {
@@ -120,8 +124,9 @@ at::Tensor pack_bf16_linear_weight(const at::Tensor& w_in) {
   return packed;
 }
 
+// float_output: float32 results (an LM head's logits, kept from bfloat16's coarse rounding), else bfloat16.
 at::Tensor bf16_packed_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t N,
-                              const std::optional<at::Tensor>& bias_in) {
+                              const std::optional<at::Tensor>& bias_in, bool float_output) {
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "bf16_packed_linear: bfloat16 only");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBf16Panel && packed.size(3) == 2 && packed.is_contiguous(),
@@ -138,22 +143,29 @@ at::Tensor bf16_packed_linear(const at::Tensor& x_in, const at::Tensor& packed, 
   }
   auto out_sizes = x_in.sizes().vec();
   out_sizes.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
   const uint16_t* xd = reinterpret_cast<const uint16_t*>(x.const_data_ptr<at::BFloat16>());
   const uint16_t* wd = reinterpret_cast<const uint16_t*>(packed.const_data_ptr<at::BFloat16>());
   const float* bd = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
-  c10::BFloat16* od = out.data_ptr<c10::BFloat16>();
   const int64_t block = std::max<int64_t>(kTileRows, kRowBlockBytes / (K * 2) / kTileRows * kTileRows);
   const int64_t panel_size = K * kBf16Panel;
-  heteroserve::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += block) {
-      for (int64_t p = begin; p < end; ++p) {
-        const int columns = static_cast<int>(std::min<int64_t>(kBf16Panel, N - p * kBf16Panel));
-        bf16_panel_rows(xd, m0, std::min(M, m0 + block), K, wd + p * panel_size, bd ? bd + p * kBf16Panel : nullptr,
-                        od + p * kBf16Panel, N, columns, p + 1 < end ? wd + (p + 1) * panel_size : nullptr);
+  auto multiply = [&](auto* od) {
+    heteroserve::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t m0 = 0; m0 < M; m0 += block) {
+        for (int64_t p = begin; p < end; ++p) {
+          const int columns = static_cast<int>(std::min<int64_t>(kBf16Panel, N - p * kBf16Panel));
+          bf16_panel_rows(xd, m0, std::min(M, m0 + block), K, wd + p * panel_size,
+                          bd ? bd + p * kBf16Panel : nullptr, od + p * kBf16Panel, N, columns,
+                          p + 1 < end ? wd + (p + 1) * panel_size : nullptr);
+        }
       }
-    }
-  });
+    });
+  };
+  if (float_output) {
+    multiply(out.data_ptr<float>());
+  } else {
+    multiply(out.data_ptr<c10::BFloat16>());
+  }
   return out.view(out_sizes);
 }
 #endif
@@ -173,7 +185,7 @@ TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
   m.impl("bf16_gemm_available", &heteroserve::bf16_gemm_available);
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   m.def("pack_bf16_linear_weight(Tensor w) -> Tensor");
-  m.def("bf16_packed_linear(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor");
+  m.def("bf16_packed_linear(Tensor x, Tensor packed, int N, Tensor? bias, bool float_output=False) -> Tensor");
   m.impl("pack_bf16_linear_weight", c10::DispatchKey::CPU, &heteroserve::pack_bf16_linear_weight);
   m.impl("bf16_packed_linear", c10::DispatchKey::CPU, &heteroserve::bf16_packed_linear);
 #endif
