@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from heteroserve.bench.machine import describe_machine, torch_at_full_threads
+from heteroserve.bench.machine import describe_machine
 from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.engine.llm_engine import LLMEngine
-from heteroserve.platforms.cpu import process_threads
+from heteroserve.platforms.cpu import process_threads, torch_at_process_threads
 from heteroserve.pooling_params import PoolingParams
 
 VOCABULARY_WORDS = 2000
@@ -122,7 +122,7 @@ def run_embed_bench(args: argparse.Namespace) -> dict:
         reference = SentenceTransformer(str(folder), device="cpu")
         num_tokens = sum(len(reference.tokenizer(t)["input_ids"]) for t in texts)
         embed(engine, texts[:8])  # warm-up: first-use kernel builds and allocations
-        with torch_at_full_threads():
+        with torch_at_process_threads():
             reference.encode(texts[:8], convert_to_tensor=True)
         ours_s: list[float] = []
         theirs_s: list[float] = []
@@ -131,7 +131,7 @@ def run_embed_bench(args: argparse.Namespace) -> dict:
             ours = embed(engine, texts)
             ours_s.append(time.perf_counter() - start)
             start = time.perf_counter()
-            with torch_at_full_threads():
+            with torch_at_process_threads():
                 theirs = reference.encode(texts, batch_size=args.st_batch_size, convert_to_tensor=True)
             theirs_s.append(time.perf_counter() - start)
             print(

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from heteroserve.bench.machine import torch_at_full_threads
 from heteroserve.model.loader.source import ModelSource
+from heteroserve.platforms.cpu import torch_at_process_threads
 
 Requests = list[tuple[list[int], int]]
 
@@ -43,7 +43,7 @@ class HFPeer:
 
     @torch.inference_mode()
     def _generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        with torch_at_full_threads():
+        with torch_at_process_threads():
             return self._generate_on_torch_threads(prompts, max_new_tokens)
 
     def _generate_on_torch_threads(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

@@ -1,13 +1,9 @@
-"""A description of the machine a benchmark ran on, for results files, and the threads its peers run on."""
+"""A description of the machine a benchmark ran on, for results files."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
-from collections.abc import Iterator
-
-import torch
 
 from heteroserve.platforms import Platform
 from heteroserve.platforms.cpu import process_threads
@@ -33,16 +29,3 @@ def describe_machine(device_platform: Platform) -> dict[str, object]:
         "os": platform.platform(),
         **device_platform.describe(),
     }
-
-
-@contextlib.contextmanager
-def torch_at_full_threads() -> Iterator[None]:
-    """torch's OpenMP team at the process's thread count while an in-process peer (transformers,
-    sentence-transformers) runs: our engine, in the same process, gives torch one thread once its own pool owns
-    the cores (CpuPlatform.assign_threads), and gets that back afterwards."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(process_threads())
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)

@@ -16,10 +16,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from heteroserve.bench.machine import torch_at_full_threads
 from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.engine.llm_engine import LLMEngine
-from heteroserve.platforms.cpu import process_threads
+from heteroserve.platforms.cpu import process_threads, torch_at_process_threads
 from heteroserve.sampling_params import RequestOutputKind, SamplingParams
 
 QUESTION = "Describe this image."
@@ -135,7 +134,7 @@ def run_vision_bench(args: argparse.Namespace) -> dict:
         "heteroserve": _ours(engine, ids, picture, args.output_len, args.repeats),
     }
     if not args.no_peer:
-        with torch_at_full_threads():
+        with torch_at_process_threads():
             result["transformers"] = _transformers(args.model, engine, ids, picture, args.output_len, args.repeats)
     result["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
     print(json.dumps(result, indent=2))

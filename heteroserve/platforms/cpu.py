@@ -112,6 +112,18 @@ def process_threads() -> int:
     return int(os.environ.get("HETEROSERVE_NUM_THREADS") or _threads_at_start())
 
 
+@contextlib.contextmanager
+def torch_at_process_threads() -> Iterator[None]:
+    """torch's OpenMP team at `process_threads()` for the block, then back to what it was (one thread once our
+    pool owns the cores): plain torch work, or an in-process bench peer, beside the engine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(process_threads())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def host_memory() -> tuple[int, int]:
     """(available, total) bytes of host memory, from /proc/meminfo where there is one."""
     try:
@@ -352,16 +364,10 @@ class CpuPlatform(Platform):
             torch.set_num_threads(1 if own_products else self.threads)
         logger.info("CPU threads: %s", ", ".join(f"{k}={v}" for k, v in self.thread_settings().items()))
 
-    @contextlib.contextmanager
-    def torch_operators(self) -> Iterator[None]:
+    def torch_operators(self) -> contextlib.AbstractContextManager[None]:
         """torch's team gets the process's threads while plain torch operators run (a vision tower: nn.Linear and
         SDPA), and one thread again afterwards where the pool owns the cores."""
-        previous = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(previous)
+        return torch_at_process_threads()
 
     def thread_settings(self) -> dict[str, object]:
         """The kernels' pool and torch's OpenMP team as this process runs them (start-up log, `heteroserve env`)."""
