@@ -311,7 +311,8 @@ class CpuPlatform(Platform):
         """The fused layer chains this platform's own C++ kernels, so a subclass that brings other kernels (a
         vendor plugin built on the CPU platform) keeps them on every step unless it overrides this as well."""
         own_kernels = type(self).operator_kernels is CpuPlatform.operator_kernels and not self.unsupported_operators
-        if own_kernels and kernels == "auto" and dtype == torch.float32 and cpu_kernels.load_library():
+        native = dtype == torch.float32 or (dtype == torch.bfloat16 and bfloat16_gemm_available())
+        if own_kernels and kernels == "auto" and native and cpu_kernels.load_library():
             return fuse_decode_layer
         return None
 

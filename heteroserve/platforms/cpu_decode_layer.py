@@ -1,5 +1,5 @@
-"""A decoder layer of a decode-only step in one C++ call (csrc/decode_layer.cpp), for float32 activations with
-packed float32 or 4-bit projections.
+"""A decoder layer of a decode-only step in one C++ call (csrc/decode_layer.cpp): float32 activations with packed
+float32 or 4-bit projections, or bfloat16 activations with packed bfloat16 projections (AVX512-BF16).
 
 The kernels are the ones the model otherwise calls one at a time; what goes is the Python between them: at one
 token a step, ~20 operator calls a layer from Python cost about a quarter of the step's time.
@@ -15,12 +15,20 @@ from heteroserve.platforms.cpu_int4 import CpuInt4Weight
 from heteroserve.platforms.cpu_packed import CpuPackedWeight
 from heteroserve.platforms.operators import DecodeLayerWeights
 
-# The projection formats decode_layer.cpp reads, each as the tensors it takes: [panels] for packed float32,
-# [packed, scale_zero] for torch-layout 4-bit.
+# The projection formats decode_layer.cpp reads, each as the tensors it takes: [panels] for packed float32 or
+# bfloat16, [packed, scale_zero] for torch-layout 4-bit.
 FUSED_FORMATS: dict[type, Callable[..., list[torch.Tensor]]] = {
     CpuPackedWeight: lambda p: [p.packed],
     CpuInt4Weight: lambda p: [p.packed, p.scale_zero],
 }
+
+
+def _fusable(projection: object, dtype: torch.dtype) -> bool:
+    """Whether decode_layer.cpp multiplies `dtype` activations by this projection with the kernel the linear op
+    uses: float32 by float32 panels or 4-bit, bfloat16 by bfloat16 panels giving bfloat16."""
+    if isinstance(projection, CpuPackedWeight):
+        return projection.packed.dtype == dtype and not projection.float_output
+    return isinstance(projection, CpuInt4Weight) and dtype == torch.float32
 
 
 class CpuFusedDecodeLayer:
@@ -56,14 +64,18 @@ class CpuFusedDecodeLayer:
 
 
 def fuse_decode_layer(w: DecodeLayerWeights) -> CpuFusedDecodeLayer | None:
-    """Layers in float32 whose projections all have a FUSED_FORMATS form; others (8-bit weights, act-order
-    permutations), and layers with a trait the C++ layer lacks (M-RoPE, tensor parallelism), stay operator by
-    operator. q/k biases, q/k norms and sliding windows (through the decode mask) it implements."""
+    """Layers in float32 or bfloat16 (the norms' dtype) whose projections are all `_fusable`; others (8-bit
+    weights, act-order permutations, a float32 projection among bfloat16 ones), and layers with a trait the C++
+    layer lacks (M-RoPE, tensor parallelism), stay operator by operator. q/k biases, q/k norms and sliding windows
+    (through the decode mask) it implements."""
     if w.multimodal_rope or w.tensor_parallel_size != 1:
         return None
-    if not all(type(p) in FUSED_FORMATS for p in (w.qkv, w.o_proj, w.gate_up, w.down)):
+    dtype = w.input_norm.dtype
+    if dtype not in (torch.float32, torch.bfloat16) or w.cos.dtype != torch.float32:
         return None
-    if any(t.dtype != torch.float32 for t in (w.input_norm, w.post_norm, *(w.qk_norms or ()), w.cos)):
+    if any(t.dtype != dtype for t in (w.post_norm, *(w.qk_norms or ()))):
+        return None
+    if not all(_fusable(p, dtype) for p in (w.qkv, w.o_proj, w.gate_up, w.down)):
         return None
     return CpuFusedDecodeLayer(w)
 

@@ -9,6 +9,7 @@ import torch
 
 from heteroserve.platforms import cpu_kernels
 from heteroserve.platforms.cpu_int4 import CpuInt4Weight
+from heteroserve.platforms.cpu_packed import bfloat16_gemm_available
 from tests.model.tiny_models import greedy_params, prompts, run, save_tiny
 
 
@@ -30,24 +31,35 @@ def _logprob_rows(output) -> torch.Tensor:
 # qwen2: q/k/v biases; mistral: a sliding window shorter than the prompts; llama3: scaled rotary tables;
 # int4: 4-bit projections (our C++ kernel, at every row count).
 # qwen3: per-head q/k norms, head_dim 32 != hidden / heads. float16 / bfloat16: a 16-bit KV cache the fused layer
-# writes and reads as the operators do.
+# writes and reads as the operators do. dtype bfloat16: bfloat16 activations and panels (AVX512-BF16 builds).
 CASES = [
-    ("qwen2", None, "auto"),
-    ("mistral", None, "auto"),
-    ("llama3", None, "auto"),
-    ("qwen3", None, "auto"),
-    ("qwen2", "int4", "auto"),
-    ("llama3", None, "float16"),
-    ("qwen3", None, "bfloat16"),
+    ("qwen2", None, "auto", "float32"),
+    ("mistral", None, "auto", "float32"),
+    ("llama3", None, "auto", "float32"),
+    ("qwen3", None, "auto", "float32"),
+    ("qwen2", "int4", "auto", "float32"),
+    ("llama3", None, "float16", "float32"),
+    ("qwen3", None, "bfloat16", "float32"),
+    ("qwen2", None, "auto", "bfloat16"),
+    ("qwen3", None, "auto", "bfloat16"),
+    ("mistral", None, "auto", "bfloat16"),
 ]
 
 
-@pytest.mark.parametrize("name,quantization,kv_cache_dtype", CASES)
-def test_fused_layer_matches_operator_by_operator(name, quantization, kv_cache_dtype, tmp_path):
+@pytest.mark.parametrize("name,quantization,kv_cache_dtype,dtype", CASES)
+def test_fused_layer_matches_operator_by_operator(name, quantization, kv_cache_dtype, dtype, tmp_path):
+    if dtype == "bfloat16" and not bfloat16_gemm_available():
+        pytest.skip("this build has no bfloat16 GEMM (AVX512-BF16): bfloat16 layers are not fused")
     tiny = save_tiny(name, tmp_path)
     # Without prefix caching the second run's prefills are computed as the first run's were, not from cached blocks.
-    llm = tiny.llm(block_size=8, quantization=quantization, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
-    cache_dtype = torch.float32 if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+    llm = tiny.llm(
+        block_size=8,
+        quantization=quantization,
+        enable_prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype,
+        dtype=dtype,
+    )
+    cache_dtype = getattr(torch, dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
     assert llm.engine.executor.worker.runner.kv_cache.dtype == cache_dtype
     layers = _model(llm).layers
     if quantization == "int4" and not isinstance(layers[0].gate_up_proj, CpuInt4Weight):

@@ -1,5 +1,5 @@
 // One decoder layer for a batch of decode tokens in a single call: the same kernels the model's Python path
-// calls one by one (RMSNorm, the float32 or 4-bit GEMMs, rotary, KV write, paged decode attention,
+// calls one by one (RMSNorm, the float32, bfloat16 or 4-bit GEMMs, rotary, KV write, paged decode attention,
 // SiLU-and-multiply), chained here. At one token a step the ~20 operator calls a layer makes from Python cost
 // about a fifth of the step (the default model on a 2-core Xeon: 26.7 against 30.6 ms a token in float32, 9.2
 // against 11.9 with 4-bit weights); chained in C++ they cost a few microseconds.
@@ -18,13 +18,13 @@
 
 namespace {
 
-// `row` floats into the cache's dtype (float32, float16 or bfloat16).
-template <typename cache_t>
-void store_row(const float* from, int64_t row, cache_t* to) {
-  if constexpr (std::is_same_v<cache_t, float>) {
-    std::memcpy(to, from, row * sizeof(float));
+// `row` activations (float32 or bfloat16) into the cache's dtype (float32, float16 or bfloat16).
+template <typename act_t, typename cache_t>
+void store_row(const act_t* from, int64_t row, cache_t* to) {
+  if constexpr (std::is_same_v<cache_t, act_t>) {
+    std::memcpy(to, from, row * sizeof(act_t));
   } else {
-    for (int64_t i = 0; i < row; ++i) to[i] = static_cast<cache_t>(from[i]);
+    for (int64_t i = 0; i < row; ++i) to[i] = static_cast<cache_t>(static_cast<float>(from[i]));
   }
 }
 
@@ -39,20 +39,34 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "decode_layer: slot ", slot[t], " outside the cache");
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_layer write_kv", [&] {
-    scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    scalar_t* vc = v_cache.data_ptr<scalar_t>();
-    for (int64_t t = 0; t < T; ++t) {
-      store_row(k.const_data_ptr<float>() + t * row, row, kc + slot[t] * row);
-      store_row(v.const_data_ptr<float>() + t * v.stride(0), row, vc + slot[t] * row);
-    }
-  });
+  auto write = [&](const auto* kd, const auto* vd) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_layer write_kv", [&] {
+      scalar_t* kc = k_cache.data_ptr<scalar_t>();
+      scalar_t* vc = v_cache.data_ptr<scalar_t>();
+      for (int64_t t = 0; t < T; ++t) {
+        store_row(kd + t * row, row, kc + slot[t] * row);
+        store_row(vd + t * v.stride(0), row, vc + slot[t] * row);
+      }
+    });
+  };
+  if (k.scalar_type() == at::kBFloat16) {
+    write(k.const_data_ptr<at::BFloat16>(), v.const_data_ptr<at::BFloat16>());
+  } else {
+    write(k.const_data_ptr<float>(), v.const_data_ptr<float>());
+  }
 }
 
-// A projection as the platform's linear op prepared it: [panels] of float32 (cpu_packed.py), or 4-bit
-// [packed, scale_zero] (cpu_int4.py), each on the kernel its linear op uses for any number of rows, so a decode
-// row here gets the bits it would get in a prompt.
+// A projection as the platform's linear op prepared it: [panels] of float32 or bfloat16 (cpu_packed.py), or
+// 4-bit [packed, scale_zero] (cpu_int4.py), each on the kernel its linear op uses for any number of rows, so a
+// decode row here gets the bits it would get in a prompt.
 at::Tensor project(const at::Tensor& x, at::TensorList weight, int64_t N, const std::optional<at::Tensor>& bias) {
+  if (weight.size() == 1 && weight[0].scalar_type() == at::kBFloat16) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    return heteroserve::bf16_packed_linear(x, weight[0], N, bias, false);
+#else
+    TORCH_CHECK_NOT_IMPLEMENTED(false, "decode_layer: bfloat16 panels need the AVX512-BF16 build");
+#endif
+  }
   if (weight.size() == 1) return heteroserve::packed_linear(x, weight[0], N, bias);
   TORCH_CHECK(weight.size() == 2, "decode_layer: a projection is [panels] or [packed, scale_zero]");
   const at::Tensor out = heteroserve::int4_panel_linear(x, weight[0], weight[1]);
@@ -73,9 +87,10 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorLis
               "decode_layer: x [T, hidden] and contiguous caches [blocks, block_size, Hkv, D]");
   const at::ScalarType cache_type = k_cache.scalar_type();
   TORCH_CHECK_NOT_IMPLEMENTED(
-      x.scalar_type() == at::kFloat && (cache_type == at::kFloat || cache_type == at::kHalf ||
-                                        cache_type == at::kBFloat16) && v_cache.scalar_type() == cache_type,
-      "decode_layer: float32 activations over a float32, float16 or bfloat16 cache");
+      (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+          (cache_type == at::kFloat || cache_type == at::kHalf || cache_type == at::kBFloat16) &&
+          v_cache.scalar_type() == cache_type,
+      "decode_layer: float32 or bfloat16 activations over a float32, float16 or bfloat16 cache");
   const int64_t T = x.size(0), Hkv = k_cache.size(2), D = k_cache.size(3);
   const int64_t q_size = num_heads * D, kv_size = Hkv * D;
   TORCH_CHECK(out_features[0] == q_size + 2 * kv_size, "decode_layer: qkv has ", out_features[0], " outputs");
