@@ -79,7 +79,8 @@ def runnable_peers(engine: LLMEngine, args, result: dict):
             print(f"skipping the llama-cpp peer: {missing}")
             result["peers"][name] = {"skipped": missing}
             continue
-        yield name, LlamaCppPeer(source, engine.max_model_len)
+        dequantised = engine.config.model.quantization == "none"  # our weights in engine.dtype: the peer's too
+        yield name, LlamaCppPeer(source, engine.max_model_len, engine.dtype if dequantised else None)
 
 
 def median_round(rounds: list[T], key: Callable[[T], float]) -> T:

@@ -1,4 +1,5 @@
-"""llama.cpp (through llama-cpp-python) as a peer: the same GGUF file, one request at a time, greedy, EOS ignored.
+"""llama.cpp (through llama-cpp-python) as a peer: the same GGUF file, or its float copy when our engine runs the
+weights dequantised (gguf_float.py), one request at a time, greedy, EOS ignored.
 
 llama-cpp-python's Python API runs one sequence per context, so only the one-at-a-time baseline exists here;
 llama.cpp's own server and `llama-batched-bench` are the way to measure its batching (peers.md cites them).
@@ -9,6 +10,9 @@ from __future__ import annotations
 import statistics
 import time
 
+import torch
+
+from heteroserve.bench.gguf_float import float_gguf
 from heteroserve.bench.hf_peer import PeerRun, Requests
 from heteroserve.model.loader.source import ModelSource
 from heteroserve.platforms.cpu import process_threads
@@ -26,14 +30,20 @@ def llama_cpp_missing() -> str | None:
 class LlamaCppPeer:
     name = "llama-cpp"
 
-    def __init__(self, source: ModelSource, context_len: int) -> None:
+    def __init__(self, source: ModelSource, context_len: int, float_dtype: torch.dtype | None) -> None:
+        """float_dtype: None runs the file's own tensor types (Q4_1 for the default model); float32 or bfloat16
+        runs a copy dequantised to that type."""
         from llama_cpp import Llama
 
         if source.gguf_file is None:
             raise SystemExit("--peer llama-cpp runs GGUF files: give a .gguf model")
-        self.weights = f"{source.gguf_file.name} as stored"  # llama.cpp runs the file's own types (Q4_1 here)
+        if float_dtype is None:
+            path, self.weights = source.gguf_file, f"{source.gguf_file.name} as stored"
+        else:
+            path = float_gguf(source.gguf_file, float_dtype)
+            self.weights = f"{source.gguf_file.name} dequantised to {str(float_dtype).removeprefix('torch.')}"
         self.model = Llama(
-            model_path=str(source.gguf_file),
+            model_path=str(path),
             n_ctx=context_len,
             n_threads=process_threads(),
             verbose=False,
