@@ -76,29 +76,15 @@ inline void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* panel, const
   }
 }
 
-template <int ROWS, typename out_t>
-inline void bf16_tile_upto(int rows, const uint16_t* x, int64_t K, const uint16_t* panel, const float* bias,
-                           out_t* out, int64_t N, int columns, const char* ahead, int64_t ahead_lines) {
-  if constexpr (ROWS > 1) {
-    if (rows < ROWS) return bf16_tile_upto<ROWS - 1>(rows, x, K, panel, bias, out, N, columns, ahead, ahead_lines);
-  }
-  bf16_tile<ROWS>(x, K, panel, bias, out, N, columns, ahead, ahead_lines);
-}
-
-// Rows [m0, m1) times one panel in tiles of equal height; `next` (the panel read after this one) is fetched
-// into L2 a share per tile while this one's products run.
+// Rows [m0, m1) times one panel on packed_tile.h's schedule.
 template <typename out_t>
 void bf16_panel_rows(const uint16_t* x, int64_t m0, int64_t m1, int64_t K, const uint16_t* panel, const float* bias,
                      out_t* out, int64_t N, int columns, const uint16_t* next) {
-  const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
-  const int64_t lines = next ? K * kBf16Panel * 2 / 64 : 0, share = (lines + tiles - 1) / tiles;
-  for (int64_t t = 0, m = m0; t < tiles; ++t) {
-    const int rows = static_cast<int>((m1 - m + (tiles - t) - 1) / (tiles - t));
-    const int64_t first = std::min(lines, t * share), count = std::min(lines, first + share) - first;
-    bf16_tile_upto<kTileRows>(rows, x + m * K, K, panel, bias, out + m * N, N, columns,
-                              reinterpret_cast<const char*>(next) + first * 64, count);
-    m += rows;
-  }
+  tile_schedule(m0, m1, K * kBf16Panel * 2, next, [&](int rows, int64_t m, const char* ahead, int64_t ahead_lines) {
+    with_rows<kTileRows>(rows, [&](auto r) {
+      bf16_tile<decltype(r)::value>(x + m * K, K, panel, bias, out + m * N, N, columns, ahead, ahead_lines);
+    });
+  });
 }
 
 }  // namespace

@@ -169,15 +169,6 @@ void group_tile(const float* x, int64_t K, int64_t groups, const float* x_sums, 
   }
 }
 
-template <int ROWS>
-void group_tile_upto(int rows, const float* x, int64_t K, int64_t groups, const float* x_sums, const float* panel,
-                     const float* scale_zero, int p, float* out, int64_t N) {
-  if constexpr (ROWS > 1) {
-    if (rows < ROWS) return group_tile_upto<ROWS - 1>(rows, x, K, groups, x_sums, panel, scale_zero, p, out, N);
-  }
-  group_tile<ROWS>(x, K, groups, x_sums, panel, scale_zero, p, out, N);
-}
-
 }  // namespace
 
 namespace heteroserve {
@@ -232,9 +223,11 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& packed, c
         for (int p = 0; p < kBlock / kPanel; ++p) {
           for (int64_t t = 0, m = m0; t < tiles; ++t) {  // tiles of equal height, as panel_rows cuts them
             const int rows = static_cast<int>((m1 - m + (tiles - t) - 1) / (tiles - t));
-            group_tile_upto<kGroupTileRows>(rows, xd + m * K, K, groups, x_sums.data() + m * groups,
-                                       panels.data() + p * K * kPanel, szd + b * groups * 2 * kBlock, p,
-                                       od + m * N + b * kBlock + p * kPanel, N);
+            with_rows<kGroupTileRows>(rows, [&](auto r) {
+              group_tile<decltype(r)::value>(xd + m * K, K, groups, x_sums.data() + m * groups,
+                                             panels.data() + p * K * kPanel, szd + b * groups * 2 * kBlock, p,
+                                             od + m * N + b * kBlock + p * kPanel, N);
+            });
             m += rows;
           }
         }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "vector_math.h"
 
@@ -56,28 +57,45 @@ inline void tile(const float* x, int64_t K, const float* panel, const float* bia
   }
 }
 
-template <int ROWS>
-inline void tile_upto(int rows, const float* x, int64_t K, const float* panel, const float* bias, float* out, int64_t N,
-                      int columns, const char* ahead, int64_t ahead_lines) {
-  if constexpr (ROWS > 1) {
-    if (rows < ROWS) return tile_upto<ROWS - 1>(rows, x, K, panel, bias, out, N, columns, ahead, ahead_lines);
+// f(std::integral_constant<int, rows>{}) for rows in [1, MAX]: a tile function gets its row count as a constant,
+// so its accumulators stay in registers.
+template <int MAX, typename F>
+inline void with_rows(int rows, F&& f) {
+  if constexpr (MAX > 1) {
+    if (rows < MAX) return with_rows<MAX - 1>(rows, f);
   }
-  tile<ROWS>(x, K, panel, bias, out, N, columns, ahead, ahead_lines);
+  f(std::integral_constant<int, MAX>{});
 }
 
-// Rows [m0, m1) of x times one panel, in tiles of equal height (at most kTileRows). `next`: the panel to be
-// read after this one (or nullptr), fetched into L2 a share per tile while this one's multiplies run.
-inline void panel_rows(const float* x, int64_t m0, int64_t m1, int64_t K, const float* panel, const float* bias,
-                       float* out, int64_t N, int columns, const float* next = nullptr) {
+// The schedule of rows [m0, m1) over one panel of `panel_bytes`: tiles of equal height (at most kTileRows), each
+// run as tile(rows, first_row, ahead, ahead_lines). `next` (the panel to be read after this one, or nullptr) is
+// fetched into L2 a share per tile while this one's multiplies run: the tile prefetches its `ahead_lines` cache
+// lines from `ahead`.
+template <typename Tile>
+inline void tile_schedule(int64_t m0, int64_t m1, int64_t panel_bytes, const void* next, Tile&& tile) {
   const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
-  const int64_t lines = next ? K * kPanel * 4 / 64 : 0, share = (lines + tiles - 1) / tiles;
+  const int64_t lines = next ? panel_bytes / 64 : 0, share = (lines + tiles - 1) / tiles;
   for (int64_t t = 0, m = m0; t < tiles; ++t) {
     const int rows = static_cast<int>((m1 - m + (tiles - t) - 1) / (tiles - t));
     const int64_t first = std::min(lines, t * share), count = std::min(lines, first + share) - first;
-    tile_upto<kTileRows>(rows, x + m * K, K, panel, bias, out + m * N, N, columns,
-                         reinterpret_cast<const char*>(next) + first * 64, count);
+    tile(rows, m, reinterpret_cast<const char*>(next) + first * 64, count);
     m += rows;
   }
+}
+
+// `rows` (at most kTileRows) rows of x times one panel.
+inline void tile_rows(int rows, const float* x, int64_t K, const float* panel, const float* bias, float* out,
+                      int64_t N, int columns, const char* ahead, int64_t ahead_lines) {
+  with_rows<kTileRows>(
+      rows, [&](auto r) { tile<decltype(r)::value>(x, K, panel, bias, out, N, columns, ahead, ahead_lines); });
+}
+
+// Rows [m0, m1) of x times one float32 panel (`next`: see tile_schedule).
+inline void panel_rows(const float* x, int64_t m0, int64_t m1, int64_t K, const float* panel, const float* bias,
+                       float* out, int64_t N, int columns, const float* next = nullptr) {
+  tile_schedule(m0, m1, K * kPanel * 4, next, [&](int rows, int64_t m, const char* ahead, int64_t ahead_lines) {
+    tile_rows(rows, x + m * K, K, panel, bias, out + m * N, N, columns, ahead, ahead_lines);
+  });
 }
 
 // Rows of x per pass over the panels, so that their slice stays in L2 while the panels stream by.

@@ -184,8 +184,8 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& keys_in, 
         const int64_t panels = (width + kPanel - 1) / kPanel, stride = row_stride(panels * kPanel);
         const int64_t keys = row_stride(width);  // P's row stride, V's rows past width are zero
         for (int64_t p = 0; p < panels; ++p) {
-          tile_upto<kTileRows>(rows, query.data(), D, kp + ((kv_head * key_panels + p) * D) * kPanel, nullptr,
-                               scores.data() + p * kPanel, stride, kPanel, nullptr, 0);
+          tile_rows(rows, query.data(), D, kp + ((kv_head * key_panels + p) * D) * kPanel, nullptr,
+                    scores.data() + p * kPanel, stride, kPanel, nullptr, 0);
         }
         softmax_rows(scores.data(), stride, rows, i0, ends, mask_data, ctx, keys, probs.data(), inv_sum);
         T* out_rows = od + (i0 * Hq + head) * D;
@@ -197,8 +197,7 @@ at::Tensor prefill_attention(const at::Tensor& q_in, const at::Tensor& keys_in, 
         }
         for (int64_t p = 0; p < D / kPanel; ++p) {
           const float* v_panel = vp + ((kv_head * (D / kPanel) + p) * v_rows) * kPanel;
-          tile_upto<kTileRows>(rows, probs.data(), keys, v_panel, nullptr, o + p * kPanel, result_stride, kPanel,
-                               nullptr, 0);
+          tile_rows(rows, probs.data(), keys, v_panel, nullptr, o + p * kPanel, result_stride, kPanel, nullptr, 0);
         }
         for (int r = 0; r < rows; ++r) {
           for (int64_t d = 0; d < D; ++d) o[r * result_stride + d] *= inv_sum[r];
