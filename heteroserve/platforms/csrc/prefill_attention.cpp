@@ -11,7 +11,6 @@
 #include "thread_pool.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -41,8 +40,9 @@ template <typename T>
 std::pair<at::Tensor, at::Tensor> pack_keys_values(const at::Tensor& keys, const at::Tensor& values) {
   const int64_t ctx = keys.size(0), Hkv = keys.size(1), D = keys.size(2), key_panels = (ctx + kPanel - 1) / kPanel;
   const int64_t v_rows = row_stride(ctx);
-  at::Tensor k_packed = at::zeros({Hkv, key_panels, D, kPanel}, keys.options().dtype(at::kFloat));
-  at::Tensor v_packed = at::zeros({Hkv, D / kPanel, v_rows, kPanel}, values.options().dtype(at::kFloat));
+  // Filled on the pool, the padding (keys past ctx in the last panel, value rows past ctx) zeroed there too.
+  at::Tensor k_packed = at::empty({Hkv, key_panels, D, kPanel}, keys.options().dtype(at::kFloat));
+  at::Tensor v_packed = at::empty({Hkv, D / kPanel, v_rows, kPanel}, values.options().dtype(at::kFloat));
   const T* k = keys.const_data_ptr<T>();
   const int64_t k_strides[2] = {keys.stride(0), keys.stride(1)}, v_strides[2] = {values.stride(0), values.stride(1)};
   const T* v = values.const_data_ptr<T>();
@@ -50,6 +50,14 @@ std::pair<at::Tensor, at::Tensor> pack_keys_values(const at::Tensor& keys, const
   float* vp = v_packed.data_ptr<float>();
   heteroserve::parallel_for(0, Hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h) {
+      for (int64_t j = ctx; j < key_panels * kPanel; ++j) {
+        float* k_panel = kp + ((h * key_panels + j / kPanel) * D) * kPanel + j % kPanel;
+        for (int64_t d = 0; d < D; ++d) k_panel[d * kPanel] = 0.f;
+      }
+      for (int64_t p = 0; p < D / kPanel; ++p) {
+        float* v_panel = vp + (h * (D / kPanel) + p) * v_rows * kPanel;
+        std::fill(v_panel + ctx * kPanel, v_panel + v_rows * kPanel, 0.f);
+      }
       for (int64_t j = 0; j < ctx; ++j) {
         const T* k_row = k + j * k_strides[0] + h * k_strides[1];
         float* k_panel = kp + ((h * key_panels + j / kPanel) * D) * kPanel + j % kPanel;
