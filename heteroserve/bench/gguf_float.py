@@ -7,14 +7,13 @@ but for the file type, which says what the tensors now are.
 
 from __future__ import annotations
 
-import hashlib
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from heteroserve.bench.hf_folder import CACHE
+from heteroserve.bench.hf_folder import CACHE, file_key
 
 # llama.cpp's llama_ftype values for the file types written here (general.file_type).
 _FILE_TYPES = {torch.float32: ("f32", 0), torch.bfloat16: ("bf16", 32)}
@@ -28,9 +27,7 @@ def float_gguf(gguf_file: Path, dtype: torch.dtype, cache: Path = CACHE) -> Path
     if dtype not in _FILE_TYPES:
         raise SystemExit(f"--peer llama-cpp: no float copy of a GGUF file in {dtype} (float32 or bfloat16)")
     name, file_type = _FILE_TYPES[dtype]
-    stat = gguf_file.stat()
-    key = hashlib.sha1(f"{gguf_file}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache / f"{gguf_file.stem}-{key}-{name}.gguf"
+    target = cache / f"{gguf_file.stem}-{file_key(gguf_file)}-{name}.gguf"
     if target.is_file():
         return target
     print(f"dequantising {gguf_file.name} to a {name} GGUF file in {target}")

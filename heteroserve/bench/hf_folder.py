@@ -14,14 +14,18 @@ from heteroserve.model.loader.source import ModelSource
 CACHE = Path.home() / ".cache" / "heteroserve" / "dequantised"
 
 
+def file_key(path: Path) -> str:
+    """A short key for a cached copy of `path`: another file, size or modification time makes another key."""
+    stat = path.stat()
+    return hashlib.sha1(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
 def hf_checkpoint_folder(source: ModelSource, cache: Path = CACHE) -> Path:
     """The folder a peer loads `source` from: WORKLOAD.md's float form of a GGUF file (its tensors dequantised to
     float32, saved as safetensors with its config and tokenizer), or the checkpoint folder itself."""
     if source.gguf_file is None:
         return source.folder
-    stat = source.gguf_file.stat()
-    key = hashlib.sha1(f"{source.gguf_file}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = cache / f"{source.gguf_file.stem}-{key}"
+    folder = cache / f"{source.gguf_file.stem}-{file_key(source.gguf_file)}"
     if folder.is_dir():
         return folder
     import torch
