@@ -217,19 +217,18 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& packed, c
   heteroserve::parallel_for(0, N / kBlock, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> panels(kBlock * K);
     for (int64_t m0 = 0; m0 < M; m0 += slice) {
-      const int64_t m1 = std::min(M, m0 + slice), tiles = (m1 - m0 + kGroupTileRows - 1) / kGroupTileRows;
+      const int64_t m1 = std::min(M, m0 + slice);
       for (int64_t b = begin; b < end; ++b) {
         expand_block(pd + b * K * (kBlock / 2), K, panels.data());
         for (int p = 0; p < kBlock / kPanel; ++p) {
-          for (int64_t t = 0, m = m0; t < tiles; ++t) {  // tiles of equal height, as panel_rows cuts them
-            const int rows = static_cast<int>((m1 - m + (tiles - t) - 1) / (tiles - t));
+          // The expanded panel is already in L2: no next panel to fetch.
+          tile_schedule<kGroupTileRows>(m0, m1, 0, nullptr, [&](int rows, int64_t m, const char*, int64_t) {
             with_rows<kGroupTileRows>(rows, [&](auto r) {
               group_tile<decltype(r)::value>(xd + m * K, K, groups, x_sums.data() + m * groups,
                                              panels.data() + p * K * kPanel, szd + b * groups * 2 * kBlock, p,
                                              od + m * N + b * kBlock + p * kPanel, N);
             });
-            m += rows;
-          }
+          });
         }
       }
     }

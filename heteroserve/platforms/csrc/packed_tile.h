@@ -67,13 +67,13 @@ inline void with_rows(int rows, F&& f) {
   f(std::integral_constant<int, MAX>{});
 }
 
-// The schedule of rows [m0, m1) over one panel of `panel_bytes`: tiles of equal height (at most kTileRows), each
+// The schedule of rows [m0, m1) over one panel of `panel_bytes`: tiles of equal height (at most MAX_ROWS), each
 // run as tile(rows, first_row, ahead, ahead_lines). `next` (the panel to be read after this one, or nullptr) is
 // fetched into L2 a share per tile while this one's multiplies run: the tile prefetches its `ahead_lines` cache
 // lines from `ahead`.
-template <typename Tile>
+template <int MAX_ROWS = kTileRows, typename Tile>
 inline void tile_schedule(int64_t m0, int64_t m1, int64_t panel_bytes, const void* next, Tile&& tile) {
-  const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
+  const int64_t tiles = (m1 - m0 + MAX_ROWS - 1) / MAX_ROWS;
   const int64_t lines = next ? panel_bytes / 64 : 0, share = (lines + tiles - 1) / tiles;
   for (int64_t t = 0, m = m0; t < tiles; ++t) {
     const int rows = static_cast<int>((m1 - m + (tiles - t) - 1) / (tiles - t));
