@@ -18,9 +18,9 @@ from heteroserve.platforms import cpu_kernels
 from heteroserve.platforms.cpu_decode_layer import fuse_decode_layer
 from heteroserve.platforms.cpu_int4 import CpuInt4Weight
 from heteroserve.platforms.cpu_int8 import CpuGroupedInt8Weight, CpuInt8Weight
-from heteroserve.platforms.cpu_packed import CpuPackedWeight, bfloat16_gemm_available
+from heteroserve.platforms.cpu_packed import CpuPackedWeight, bfloat16_gemm_available, bfloat16_gemm_kernel
 from heteroserve.platforms.interface import Platform
-from heteroserve.platforms.operators import DecodeLayerFuser, Kernel, LinearOp
+from heteroserve.platforms.operators import REFERENCE_LINEAR, DecodeLayerFuser, Kernel, LinearOp
 from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.int4 import Int4Weight
 from heteroserve.quantization.int8 import Int8Weight
@@ -137,12 +137,12 @@ def host_memory() -> tuple[int, int]:
 
 class CpuLinear(LinearOp):
     """Float32 weights packed once for our C++ GEMM (cpu_packed.py: one kernel for every batch size, reading the
-    weight as one stream), bfloat16 ones for its AVX512-BF16 twin; elsewhere (no AVX512-BF16, no C++ library)
-    repacked once for oneDNN, about 2x eager torch.matmul at 1-64 rows and 1.3x at 512+ on a 2-core AVX-512
-    machine. 4-bit weights go to our 4-bit kernel (CpuInt4Weight), 8-bit ones stay 8-bit under our 8-bit
-    kernels (CpuGroupedInt8Weight, float32 arithmetic); without the C++ library, per-channel 8-bit weights go to
-    torch's int8 kernel (CpuInt8Weight), grouped ones to slices dequantised in cache with float32 activations,
-    and with other activation dtypes they are expanded once at load."""
+    weight as one stream), bfloat16 ones for its bfloat16 twin; without the C++ library they are repacked once for
+    oneDNN. 4-bit weights go to our 4-bit kernel (CpuInt4Weight), 8-bit ones stay 8-bit under our 8-bit kernels
+    (CpuGroupedInt8Weight, float32 arithmetic); without the C++ library, per-channel 8-bit weights go to torch's
+    int8 kernel (CpuInt8Weight), grouped ones to slices dequantised in cache with float32 activations, and with
+    other activation dtypes they are expanded once at load. A format left to the reference is said at start-up
+    and counted (LinearOp.keep_reference)."""
 
     PACK_ROWS = 64  # the batch size oneDNN's layout is tuned for; other sizes work too
 
@@ -170,17 +170,22 @@ class CpuLinear(LinearOp):
         self.name = "cpp packed gemm" if self.packed_float32 or self.packed_bfloat16 else "onednn-packed"
 
     def _prepare_dense(self, weight: torch.Tensor) -> torch.Tensor | CpuPackedWeight:
-        # A float32 weight under bfloat16 activations (prepare_lm_head's 8-bit head) stays float32, as in oneDNN.
+        # A float32 weight under bfloat16 activations (prepare_lm_head's 8-bit head) stays float32, as in oneDNN;
+        # so does a bfloat16 one whose K the bfloat16 kernel cannot read in pairs (results rounded to bfloat16).
         if self.packed_float32 or (weight.dtype == torch.float32 and self.packed_bfloat16):
             return CpuPackedWeight.pack(weight)
-        if self.packed_bfloat16 and CpuPackedWeight.bfloat16_supports(weight):
-            return CpuPackedWeight.pack(weight, torch.bfloat16)
+        if self.packed_bfloat16:
+            if CpuPackedWeight.bfloat16_supports(weight):
+                return CpuPackedWeight.pack(weight, torch.bfloat16)
+            return CpuPackedWeight.pack(weight)
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), self.PACK_ROWS)
 
     def _prepare_int4(self, weight: Int4Weight) -> Int4Weight | CpuInt4Weight:
-        if self.int4_kernel and CpuInt4Weight.supports(weight):
-            return CpuInt4Weight.pack(weight)
-        return weight
+        if not self.int4_kernel:
+            return self.keep_reference(weight, "the C++ kernels are not loaded")
+        if not CpuInt4Weight.supports(weight):
+            return self.keep_reference(weight, f"{weight.shape[0]} output rows are not a multiple of 64")
+        return CpuInt4Weight.pack(weight)
 
     def _prepare_int8(self, weight: Int8Weight) -> torch.Tensor | CompressedWeight:
         # Our kernels first: float32 arithmetic at every batch size, on the pool that owns the cores (torch's
@@ -193,6 +198,22 @@ class CpuLinear(LinearOp):
             return CpuGroupedInt8Weight(weight)
         return self._prepare_dense(weight.dequantize(self.dtype))
 
+    def weight_formats(self) -> dict[str, str]:
+        kernels = {"dense": bfloat16_gemm_kernel() if self.packed_bfloat16 else self.name}
+        kernels["int4"] = (
+            "cpp int4 panel linear (float32 arithmetic)"
+            if self.int4_kernel
+            else f"{REFERENCE_LINEAR}: the C++ kernels are not loaded"
+        )
+        if cpu_kernels.load_library():
+            kernels["int8"] = "cpp grouped int8 linear (float32 arithmetic)"
+        elif self.int8_kernel:
+            kernels["int8"] = "torch int8 kernel (per-channel), else dequantised in cache slices"
+        else:
+            kernels["int8"] = "dequantised in cache slices" if self.dtype == torch.float32 else "expanded at load"
+        kernels.update({name: f"{REFERENCE_LINEAR}: {why}" for name, why in self.reference_formats.items()})
+        return kernels
+
     def _prepare_permuted(self, weight: PermutedInput) -> torch.Tensor | CompressedWeight:
         inner = self.prepare(weight.weight)
         if isinstance(inner, torch.Tensor):  # expanded to float anyway: back in input order, no gather needed
@@ -204,9 +225,12 @@ class CpuLinear(LinearOp):
         # activations in bfloat16 the default model's answer to "What is the capital of France?" turned into
         # "L'Étoile, la Marseillaise, ...".
         if self.packer_for(weight) == self._prepare_int8:
-            return CpuGroupedInt8Weight(weight) if self.dtype == torch.float32 else self.prepare(weight.dequantize())
-        prepared = self.prepare(weight)
-        if isinstance(prepared, CpuPackedWeight) and prepared.packed.dtype == torch.bfloat16:
+            if self.dtype == torch.float32:
+                return CpuGroupedInt8Weight(weight)
+            prepared = self.prepare(weight.dequantize())
+        else:
+            prepared = self.prepare(weight)
+        if isinstance(prepared, CpuPackedWeight) and self.dtype != torch.float32:
             # bfloat16 logits are 1/8 apart near 20: the default model's teacher-forced argmax agreed with its
             # float32 run at 97.8% of the workload's positions, with float32 logits at 98.8% (bench quality)
             return dataclasses.replace(prepared, float_output=True)
@@ -218,23 +242,8 @@ class CpuLinear(LinearOp):
         if isinstance(weight, torch.Tensor):  # oneDNN's reordered layout
             # x widened where the weight is float32 under bfloat16 activations (prepare_lm_head's 8-bit head)
             return torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, bias, "none", [], "")
+        self.count_reference(weight)
         return weight.matmul(x, bias)
-
-
-def _int4_kernel_works() -> bool:
-    """torch's CPU int4 kernel exists and packs in the layout CpuInt4Weight reads back."""
-    try:
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randint(0, 16, (64, 64), dtype=torch.int32, generator=gen)
-        w = Int4Weight.from_values(q, torch.rand(64, 2, generator=gen) + 0.5, torch.randn(64, 2, generator=gen), 32)
-        packed = CpuInt4Weight.pack(w)
-        if not torch.equal(packed.dequantize(), w.dequantize()):
-            return False
-        x = torch.randn(2, 64, generator=gen)
-        expected = x @ w.dequantize().T
-        return float((packed.matmul(x, None) - expected).norm() / expected.norm()) < 1e-2
-    except (RuntimeError, AttributeError):
-        return False
 
 
 def _int8_kernel_works() -> bool:
@@ -279,7 +288,9 @@ class CpuPlatform(Platform):
 
     def supported_dtypes(self) -> list[torch.dtype]:
         dtypes = [torch.float32]
-        if self.isa & {"avx512_bf16", "amx_bf16", "bf16", "sve"}:
+        # bfloat16 products on AVX512-BF16's instruction, else widened in registers by our kernels (half the
+        # bytes of float32 for a memory-bound decode on AVX2 and NEON)
+        if self.isa & {"avx512_bf16", "amx_bf16", "bf16", "sve"} or bfloat16_gemm_available():
             dtypes.append(torch.bfloat16)
         if "amx_tile" in self.isa or is_arm64():
             dtypes.append(torch.float16)
@@ -295,7 +306,7 @@ class CpuPlatform(Platform):
                 dtype,
                 packed_float32=packed_float32,
                 packed_bfloat16=packed_bfloat16,
-                int4_kernel=_int4_kernel_works(),
+                int4_kernel=cpu_kernels.load_library(),
                 int8_kernel=_int8_kernel_works(),
             )
         return LinearOp()

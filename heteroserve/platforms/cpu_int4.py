@@ -1,13 +1,18 @@
-"""4-bit weights in the layout of torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`), multiplied by our C++
-kernel (csrc/int4_panel_linear.cpp) in float32 arithmetic for every number of rows.
+"""4-bit weights in our kernel's own layout, multiplied by our C++ kernel (csrc/int4_panel_linear.cpp) in float32
+arithmetic for every number of rows.
+
+The layout is ours, the same on every CPU: [N / 64, K, 32] bytes, byte j of input column k of a block holding
+output row j of the block in its low nibble and row j + 32 in its high one, so a block of 64 output rows is laid
+out column by column as the float32 GEMM's panels are. (torch's `_convert_weight_to_int4pack_for_cpu` packs
+differently on AVX-512, AVX2 and aarch64, so its output cannot be a layout of ours.) Beside it, per block of 64
+rows and group of inputs, the rows' scales then their zeros in float32 ([N / 64, K / group, 2, 64]), so that a
+block's scales arrive in one run: w = (q - 8) scale + zero.
 
 One kernel and one order of summation for every batch size makes a request's result independent of what else
-is in its step and of how much of its prompt was cached (issue 23): before, decode rows (1-7, and every
-decode-only step) took 8-bit activations on VNNI and prompts of 8+ rows float ones, and the default model
-answered the demo question in French once its prompt's first blocks were cached (a 5-row prefill). Where the
-C++ library is missing, torch's kernel takes every batch (activations rounded to bfloat16). The layout takes
-groups of 32, 64, 128 or 256 input columns; larger groups (GPTQ per-channel) are described with smaller ones by
-repeating their scales. Timings: bench/results/batch_invariance/.
+is in its step and of how much of its prompt was cached: a decode row gets the bits the same row gets inside a
+prompt. Any group size that divides K is read as it is. Activations of other dtypes are widened to float32 and
+the result rounded back. Where the C++ library is missing, the platform keeps the reference Int4Weight (and
+says so).
 """
 
 from __future__ import annotations
@@ -19,48 +24,37 @@ import torch
 from heteroserve.platforms import cpu_kernels
 from heteroserve.quantization.int4 import Int4Weight
 
-_BLOCK_N = 64  # the kernel's packed layout: [N / 64, K, 32] bytes, rows j and j + 32 of a block in one byte
-KERNEL_GROUPS = (256, 128, 64, 32)
+BLOCK_ROWS = 64  # output rows per block of the layout
 
 
-def kernel_group(weight: Int4Weight) -> int | None:
-    """The largest group size the kernel takes that describes `weight` exactly, or None."""
-    return next((g for g in KERNEL_GROUPS if weight.group_size % g == 0), None)
+def pack_int4_blocks(values: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] 4-bit values -> the kernel's [N / 64, K, 32] bytes."""
+    n, k = values.shape
+    rows = values.to(torch.uint8).view(n // BLOCK_ROWS, 2, BLOCK_ROWS // 2, k)
+    return (rows[:, 0] | (rows[:, 1] << 4)).transpose(1, 2).contiguous()
 
 
 @dataclass
 class CpuInt4Weight:
     packed: torch.Tensor  # uint8 [N / 64, K, 32], the kernel's layout
-    scales_and_zeros: torch.Tensor  # bfloat16 [K / group, N, 2], for torch's kernel
-    # float32 [N / 64, K / original group, 2, 64]: per block of 64 rows and group, their scales then their zeros,
-    # so our kernels read a block's scales in one run (exact dequantisation: w = (q - 8) * scale + zero)
-    scale_zero: torch.Tensor
-    original_group: int
+    scale_zero: torch.Tensor  # float32 [N / 64, K / group, 2, 64]: scales, then zeros
+    group_size: int
 
     @classmethod
     def supports(cls, weight: Int4Weight) -> bool:
-        return weight.shape[0] % _BLOCK_N == 0 and kernel_group(weight) is not None
+        return weight.shape[0] % BLOCK_ROWS == 0
 
     @classmethod
     def pack(cls, weight: Int4Weight) -> CpuInt4Weight:
-        regrouped = weight.regroup(kernel_group(weight))
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.values().to(torch.int32), 1)
-        n, k = weight.shape
-        sz = torch.stack((regrouped.scale.t(), regrouped.zero.t()), dim=-1).to(torch.bfloat16).contiguous()
-        blocks = packed.view(n // _BLOCK_N, k, _BLOCK_N // 2)
+        n, _ = weight.shape
         groups = weight.scale.shape[1]
-        scale_zero = torch.stack((weight.scale, weight.zero)).view(2, n // _BLOCK_N, _BLOCK_N, groups)
-        return cls(blocks, sz, scale_zero.permute(1, 3, 0, 2).contiguous(), weight.group_size)
+        scale_zero = torch.stack((weight.scale, weight.zero)).view(2, n // BLOCK_ROWS, BLOCK_ROWS, groups)
+        return cls(pack_int4_blocks(weight.values()), scale_zero.permute(1, 3, 0, 2).contiguous(), weight.group_size)
 
     @property
     def shape(self) -> tuple[int, int]:
         blocks, k, _ = self.packed.shape
-        return blocks * _BLOCK_N, k
-
-    @property
-    def group_size(self) -> int:
-        """The group size the kernel reads (after any regrouping)."""
-        return self.shape[1] // self.scales_and_zeros.shape[0]
+        return blocks * BLOCK_ROWS, k
 
     def values(self) -> torch.Tensor:
         """The 4-bit integers read back from the kernel's layout (tests check it against the canonical form)."""
@@ -71,21 +65,19 @@ class CpuInt4Weight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Straight from the kernel's layout, in float32 arithmetic as Int4Weight.dequantize does."""
         n, k = self.shape
-        groups = self.values().view(n, k // self.original_group, self.original_group).float()
+        groups = self.values().view(n, k // self.group_size, self.group_size).float()
         scale, zero = self.scale_zero.permute(2, 0, 3, 1).reshape(2, n, -1, 1)
         return ((groups - 8) * scale + zero).view(n, k).to(dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dtype == torch.float32 and cpu_kernels.load_library():
-            out = torch.ops.heteroserve.int4_panel_linear(x, self.packed, self.scale_zero)
-        else:
-            n, k = self.shape
-            packed = self.packed.view(n, k // 2)
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(torch.bfloat16), packed, self.group_size, self.scales_and_zeros
-            ).to(x.dtype)
+        out = torch.ops.heteroserve.int4_panel_linear(x.float(), self.packed, self.scale_zero).to(x.dtype)
         return out if bias is None else out + bias
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales_and_zeros, self.scale_zero))
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale_zero))
+
+
+def int4_kernel_available() -> bool:
+    """Our 4-bit kernel is loaded (the C++ library built or prebuilt for this CPU)."""
+    return cpu_kernels.load_library()

@@ -1,5 +1,6 @@
-"""Weights packed once at load for our C++ GEMMs: float32 (csrc/packed_linear.cpp) and bfloat16 on AVX512-BF16's
-dot-product instruction (csrc/bf16_packed_linear.cpp), both on the kernels' own thread pool.
+"""Weights packed once at load for our C++ GEMMs: float32 (csrc/packed_linear.cpp) and bfloat16
+(csrc/bf16_packed_linear.cpp: AVX512-BF16's dot-product instruction, elsewhere the pairs widened in registers),
+both on the kernels' own thread pool.
 
 Measured on a 2-core Intel Xeon (AVX-512, no BF16), all of SmolLM2's projections and its LM head with the
 weights streamed from memory (ms per forward's worth of products, same run): 1 row 20.3 vs oneDNN's packed
@@ -23,7 +24,7 @@ class CpuPackedWeight:
     # (pairs of rows of k interleaved, the operand layout of vdpbf16ps).
     packed: torch.Tensor
     n: int  # output features (the last panel may be padded with zero columns)
-    float_output: bool = False  # bfloat16 weights giving float32 results (an LM head's logits)
+    float_output: bool = False  # float32 results from bfloat16 activations (an LM head's logits)
 
     @classmethod
     def pack(cls, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> CpuPackedWeight:
@@ -33,7 +34,7 @@ class CpuPackedWeight:
 
     @staticmethod
     def bfloat16_supports(weight: torch.Tensor) -> bool:
-        """The bfloat16 kernel exists in this build (AVX512-BF16) and reads the weight's K in pairs."""
+        """The bfloat16 kernel is loaded and reads the weight's K in pairs."""
         return weight.shape[1] % 2 == 0 and bfloat16_gemm_available()
 
     @property
@@ -54,11 +55,23 @@ class CpuPackedWeight:
             return torch.ops.heteroserve.bf16_packed_linear(
                 x.to(torch.bfloat16), self.packed, self.n, bias, self.float_output
             )
-        # x widened where the weight is float32 under bfloat16 activations (an 8-bit LM head: float32 logits)
-        return torch.ops.heteroserve.packed_linear(x.float(), self.packed, self.n, bias)
+        # x widened where the weight is float32 under bfloat16 activations: an 8-bit LM head (float32 logits), or
+        # a weight the bfloat16 kernel cannot read (rounded back)
+        bias = None if bias is None else bias.float()
+        out = torch.ops.heteroserve.packed_linear(x.float(), self.packed, self.n, bias)
+        return out if self.float_output else out.to(x.dtype)
 
 
 @functools.cache
 def bfloat16_gemm_available() -> bool:
-    """Whether the C++ library has the bfloat16 GEMM (built where the compiler targets AVX512-BF16)."""
-    return cpu_kernels.load_library() and bool(torch.ops.heteroserve.bf16_gemm_available())
+    """Whether the C++ library, and with it the bfloat16 GEMM, is loaded (every build has it)."""
+    return cpu_kernels.load_library()
+
+
+@functools.cache
+def bfloat16_gemm_kernel() -> str:
+    """How this build multiplies bfloat16 pairs: AVX512-BF16's dot-product instruction, or widened in registers."""
+    if not bfloat16_gemm_available():
+        return "none"
+    native = bool(torch.ops.heteroserve.bf16_dot_product_instruction())
+    return "cpp bfloat16 gemm (AVX512-BF16 vdpbf16ps)" if native else "cpp bfloat16 gemm (pairs widened to float32)"

@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from heteroserve.platforms import reference_ops
+from heteroserve.quantization.act_order import PermutedInput
+from heteroserve.quantization.int4 import Int4Weight
+from heteroserve.quantization.int8 import Int8Weight
 from heteroserve.quantization.weight import CompressedWeight
 
 logger = logging.getLogger(__name__)
@@ -27,6 +30,10 @@ Kernel = Callable[..., object]
 # A loaded weight (a tensor or a heteroserve.quantization weight) -> the form a linear op's kernel multiplies by.
 WeightPacker = Callable[..., "torch.Tensor | CompressedWeight"]
 CPU_FALLBACK = "cpu fallback"
+REFERENCE_LINEAR = "torch reference, dequantised on every product"
+# The loaded compressed formats, whose own matmul is the reference product.
+REFERENCE_WEIGHTS = (Int4Weight, Int8Weight)
+FORMAT_NAMES: dict[type, str] = {Int4Weight: "int4", Int8Weight: "int8"}
 _UNSUPPORTED_MESSAGE = re.compile(r"not implemented|not supported|unsupported", re.IGNORECASE)
 
 
@@ -45,6 +52,10 @@ class LinearOp:
 
     def __init__(self, formats: Mapping[type, WeightPacker] | None = None) -> None:
         self.formats: dict[type, WeightPacker] = dict(formats or {})
+        # Compressed formats left in their loaded form, whose products dequantise the weight on every call: the
+        # reason per format (start-up WARNING, `heteroserve env`); their calls are counted in `fallbacks`.
+        self.reference_formats: dict[str, str] = {}
+        self.fallbacks: Counter[str] = Counter()  # the operator table puts the platform's counter here
 
     def register_format(self, weight_type: type, pack: WeightPacker) -> None:
         """Weights of `weight_type` (and its subclasses) are prepared by `pack` from now on."""
@@ -53,7 +64,11 @@ class LinearOp:
     def prepare(self, weight: torch.Tensor | CompressedWeight) -> torch.Tensor | CompressedWeight:
         """A projection weight (a tensor or a heteroserve.quantization weight) in the form __call__ reads."""
         pack = self.packer_for(weight)
-        return weight if pack is None else pack(weight)
+        if pack is not None:
+            return pack(weight)
+        if isinstance(weight, (*REFERENCE_WEIGHTS, PermutedInput)):
+            return self.keep_reference(weight, f"{self.name} has no kernel for it")
+        return weight
 
     def packer_for(self, weight: object) -> WeightPacker | None:
         """The registered packer of the nearest type in `weight`'s class hierarchy, or None."""
@@ -63,12 +78,44 @@ class LinearOp:
         """The LM head (possibly the tied embedding's copy); platforms may keep it in a different form."""
         return self.prepare(weight)
 
+    def keep_reference(self, weight: CompressedWeight, why: str) -> CompressedWeight:
+        """`weight` stays in its loaded form, multiplied by the reference (dequantised on every product): said
+        once per format at WARNING, listed by `weight_formats`, and counted per call."""
+        name = format_name(weight)
+        if name not in self.reference_formats:
+            logger.warning("%s weights run the torch reference (dequantised on every product): %s", name, why)
+        self.reference_formats[name] = why
+        return weight
+
+    def weight_formats(self) -> dict[str, str]:
+        """The kernel each weight format's products run, by format name (`heteroserve env`)."""
+        kernels = {"dense": self.name, "int4": REFERENCE_LINEAR, "int8": REFERENCE_LINEAR}
+        kernels.update({name: f"{REFERENCE_LINEAR}: {why}" for name, why in self.reference_formats.items()})
+        return kernels
+
+    def count_reference(self, weight: object) -> None:
+        """Counts a product by a weight `keep_reference` left in its loaded form."""
+        if isinstance(weight, REFERENCE_WEIGHTS) or (
+            isinstance(weight, PermutedInput) and isinstance(weight.weight, REFERENCE_WEIGHTS)
+        ):
+            self.fallbacks[f"linear {format_name(weight)}"] += 1
+
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor | CompressedWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if isinstance(weight, torch.Tensor):
             return F.linear(x, weight, bias)
+        self.count_reference(weight)
         return weight.matmul(x, bias)
+
+
+def format_name(weight: object) -> str:
+    """A loaded weight's format as `heteroserve env` and the metrics name it (int4, int8, act-order int4, ...)."""
+    if isinstance(weight, PermutedInput):
+        return f"act-order {format_name(weight.weight)}"
+    if isinstance(weight, torch.Tensor):
+        return str(weight.dtype).removeprefix("torch.")
+    return FORMAT_NAMES.get(type(weight), type(weight).__name__)
 
 
 @dataclass(frozen=True)
@@ -154,6 +201,7 @@ class OperatorTable:
         self.linear = linear
         self.kernels = dict(kernels)
         self.fallbacks = fallbacks if fallbacks is not None else Counter()
+        linear.fallbacks = self.fallbacks
         self.is_unsupported = is_unsupported
         self.fuse_decode_layer = fuse_decode_layer  # optional: the operators above, chained in one call
         self._logged: set[str] = set()
@@ -230,6 +278,7 @@ class OperatorTable:
     def describe(self) -> dict[str, str]:
         """The kernel each operator runs ('cpu fallback' where the platform has none)."""
         names = {"linear": self.linear.name}
+        names.update({f"linear {name}": kernel for name, kernel in self.linear.weight_formats().items()})
         for name in OPERATORS:
             kernel = self.kernels.get(name)
             names[name] = CPU_FALLBACK if kernel is None else kernel_name(kernel)

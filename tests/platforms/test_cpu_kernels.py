@@ -15,6 +15,7 @@ import torch
 from heteroserve.platforms import cpu_kernels, reference_ops
 from heteroserve.platforms.attention import AttentionStep
 from heteroserve.platforms.cpu import CpuPlatform
+from heteroserve.platforms.operators import REFERENCE_LINEAR
 from heteroserve.platforms.paged_attention import AttentionMetadata, PagedAttentionBackend
 
 BLOCK_SIZE = 16
@@ -356,7 +357,10 @@ def test_a_failed_build_warns_once_and_keeps_the_reference(monkeypatch, tmp_path
         with caplog.at_level(logging.WARNING, logger="heteroserve.platforms.cpu_kernels"):
             table = CpuPlatform().operator_table(torch.float32)
             CpuPlatform().operator_table(torch.float32)
-        assert set(table.describe().values()) == {"onednn-packed", "torch reference", "operator by operator"}
+        described = table.describe()
+        formats = {name: described.pop(name) for name in list(described) if name.startswith("linear ")}
+        assert set(described.values()) == {"onednn-packed", "torch reference", "operator by operator"}
+        assert formats["linear int4"] == f"{REFERENCE_LINEAR}: the C++ kernels are not loaded"
         messages = [r.getMessage() for r in caplog.records]
         assert len(messages) == 1 and messages[0].startswith(
             "the CPU C++ kernels could not be loaded (building for this CPU failed"

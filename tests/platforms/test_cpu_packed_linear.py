@@ -87,7 +87,12 @@ def test_float32_and_bfloat16_models_use_it():
             assert linear.name == "cpp packed gemm"
             assert isinstance(weight, CpuPackedWeight) and weight.packed.dtype == torch.bfloat16
             assert linear.prepare_lm_head(torch.randn(8, 16, dtype=torch.bfloat16)).float_output  # float32 logits
-            assert not isinstance(linear.prepare(torch.randn(8, 15, dtype=torch.bfloat16)), CpuPackedWeight)  # odd K
+            odd = torch.randn(8, 15, dtype=torch.bfloat16)  # K not in pairs: float32 panels, bfloat16 results
+            odd_packed = linear.prepare(odd)
+            assert isinstance(odd_packed, CpuPackedWeight) and odd_packed.packed.dtype == torch.float32
+            x_odd = torch.randn(3, 15).bfloat16()
+            expected = x_odd.float() @ odd.float().T
+            torch.testing.assert_close(linear(x_odd, odd_packed).float(), expected, rtol=2**-7, atol=1e-2)
             # an 8-bit LM head multiplies in float32: float32 logits from bfloat16 activations
             head = linear.prepare_lm_head(quantize_int8(torch.randn(64, 32), group_size=32))
             assert isinstance(head, CpuPackedWeight) and head.packed.dtype == torch.float32

@@ -31,9 +31,7 @@ def _packed(n: int = HIDDEN, k: int = HIDDEN) -> CpuPackedWeight:
 
 
 def _int4() -> CpuInt4Weight:
-    return CpuInt4Weight(
-        torch.zeros(1, HIDDEN, 32, dtype=torch.uint8), torch.zeros(2, HIDDEN, 2), torch.zeros(1, 2, 2, 64), 32
-    )
+    return CpuInt4Weight(torch.zeros(1, HIDDEN, 32, dtype=torch.uint8), torch.zeros(1, 2, 2, 64), 32)
 
 
 def _int8() -> Int8Weight:

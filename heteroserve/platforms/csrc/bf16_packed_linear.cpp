@@ -1,10 +1,14 @@
-// y = x W^T + b in bfloat16 on AVX512-BF16's dot-product instruction, W packed once at load: panel p holds output
-// columns [p * 32, p * 32 + 32) as K / 2 runs of 32 column pairs (w[k, j], w[k + 1, j]), the operand layout of
-// vdpbf16ps, which adds x[k] * w[k, j] + x[k + 1] * w[k + 1, j] into column j's float32 sum. One weight read
-// feeds a tile of up to 12 rows, the panel streams from memory once per block of rows (packed_tile.h's schedule),
-// and every row's sums run in the same order whatever the batch, so a request's outputs do not depend on its
-// neighbours. The products run on the kernels' own pool, like the float32 GEMM's, so that with bfloat16
-// activations one team of threads owns the cores (cpu.py `assign_threads`).
+// y = x W^T + b with bfloat16 weights, W packed once at load: panel p holds output columns [p * 32, p * 32 + 32)
+// as K / 2 runs of 32 column pairs (w[k, j], w[k + 1, j]), the operand layout of AVX512-BF16's vdpbf16ps, which
+// adds x[k + 1] * w[k + 1, j] then x[k] * w[k, j] into column j's float32 sum (each product exact in float32).
+// The layout is the same on every CPU. Where the compiler targets AVX512-BF16 that instruction runs; elsewhere
+// (AVX2, NEON, SSE) the pair is widened in registers (a pair's 32 bits: the odd value is its top half as a float,
+// the even one its bottom half shifted up) and added in the same order with float32 multiply-adds, so a product
+// reads half the bytes of float32 weights on every level and gives the same sums. One weight read feeds a tile
+// of rows, the panel streams from memory once per block of rows (packed_tile.h's schedule), and every row's sums
+// run in the same order whatever the batch, so a request's outputs do not depend on its neighbours. The products
+// run on the kernels' own pool, like the float32 GEMM's, so that with bfloat16 activations one team of threads
+// owns the cores (cpu.py `assign_threads`).
 
 #include "thread_pool.h"
 #include <ATen/core/Tensor.h>
@@ -23,11 +27,12 @@
 
 namespace heteroserve {
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
 namespace {
 
-constexpr int64_t kBf16Panel = 32;  // two vectors of 16 float32 sums
+constexpr int64_t kBf16Panel = 32;  // 32 float32 sums: two AVX-512 vectors, four AVX2 ones
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+constexpr int kBf16TileRows = kTileRows;
 // Rows [0, ROWS) of x times one panel; x rows are K bfloat16 apart, K even. out_t: bfloat16 (rounded once) or
 // float32 (an LM head's logits).
 template <int ROWS, typename out_t>
@@ -76,12 +81,64 @@ inline void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* panel, const
   }
 }
 
+#else
+// Rows per tile: its 32 sums a row (32 / kLanes vectors) and a widened pair of weight vectors in registers.
+constexpr int kBf16TileRows = kLanes == 4 ? 3 : kLanes == 8 ? 3 : kTileRows;
+constexpr int kPanelVectors = kBf16Panel / kLanes;
+
+// Rows [0, ROWS) of x times one panel, the pairs widened in registers (see the top of the file).
+template <int ROWS, typename out_t>
+inline void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* panel, const float* bias, out_t* out, int64_t N,
+                      int columns, const char* ahead, int64_t ahead_lines) {
+  typedef uint32_t words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  vec acc[ROWS][kPanelVectors] = {};
+  const int64_t pairs = K / 2;
+  for (int64_t kk = 0; kk < pairs; ++kk) {
+    const uint16_t* w = panel + kk * 2 * kBf16Panel;
+    __builtin_prefetch(w + kPrefetch * 2 * kBf16Panel);
+    __builtin_prefetch(w + kPrefetch * 2 * kBf16Panel + 32);
+    if (2 * kk < ahead_lines) {
+      __builtin_prefetch(ahead + 2 * kk * 64, 0, 2);
+      __builtin_prefetch(ahead + (2 * kk + 1) * 64, 0, 2);
+    }
+    float x_even[ROWS], x_odd[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+      const uint32_t even_bits = static_cast<uint32_t>(x[r * K + 2 * kk]) << 16;
+      const uint32_t odd_bits = static_cast<uint32_t>(x[r * K + 2 * kk + 1]) << 16;
+      std::memcpy(&x_even[r], &even_bits, sizeof(float));
+      std::memcpy(&x_odd[r], &odd_bits, sizeof(float));
+    }
+    for (int v = 0; v < kPanelVectors; ++v) {
+      words pair;
+      std::memcpy(&pair, w + 2 * kLanes * v, sizeof(pair));
+      const words odd_bits = pair & 0xFFFF0000u, even_bits = pair << 16;
+      vec odd, even;
+      std::memcpy(&odd, &odd_bits, sizeof(odd));
+      std::memcpy(&even, &even_bits, sizeof(even));
+      for (int r = 0; r < ROWS; ++r) {
+        acc[r][v] += x_odd[r] * odd;
+        acc[r][v] += x_even[r] * even;
+      }
+    }
+  }
+  float padded[kBf16Panel] = {};
+  if (bias != nullptr) std::memcpy(padded, bias, columns * sizeof(float));
+  for (int r = 0; r < ROWS; ++r) {
+    float sums[kBf16Panel];
+    for (int v = 0; v < kPanelVectors; ++v) store(sums + v * kLanes, acc[r][v] + load(padded + v * kLanes));
+    out_t full[kBf16Panel];
+    store_row(sums, kBf16Panel, full);
+    std::memcpy(out + r * N, full, columns * sizeof(out_t));
+  }
+}
+#endif
+
 // Rows [m0, m1) times one panel on packed_tile.h's schedule.
 template <typename out_t>
 void bf16_panel_rows(const uint16_t* x, int64_t m0, int64_t m1, int64_t K, const uint16_t* panel, const float* bias,
                      out_t* out, int64_t N, int columns, const uint16_t* next) {
-  tile_schedule(m0, m1, K * kBf16Panel * 2, next, [&](int rows, int64_t m, const char* ahead, int64_t ahead_lines) {
-    with_rows<kTileRows>(rows, [&](auto r) {
+  tile_schedule<kBf16TileRows>(m0, m1, K * kBf16Panel * 2, next, [&](int rows, int64_t m, const char* ahead, int64_t ahead_lines) {
+    with_rows<kBf16TileRows>(rows, [&](auto r) {
       bf16_tile<decltype(r)::value>(x + m * K, K, panel, bias, out + m * N, N, columns, ahead, ahead_lines);
     });
   });
@@ -154,9 +211,8 @@ at::Tensor bf16_packed_linear(const at::Tensor& x_in, const at::Tensor& packed, 
   }
   return out.view(out_sizes);
 }
-#endif
 
-bool bf16_gemm_available() {
+bool bf16_dot_product_instruction() {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   return true;
 #else
@@ -167,12 +223,10 @@ bool bf16_gemm_available() {
 }  // namespace heteroserve
 
 TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
-  m.def("bf16_gemm_available() -> bool");
-  m.impl("bf16_gemm_available", &heteroserve::bf16_gemm_available);
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  m.def("bf16_dot_product_instruction() -> bool");
+  m.impl("bf16_dot_product_instruction", &heteroserve::bf16_dot_product_instruction);
   m.def("pack_bf16_linear_weight(Tensor w) -> Tensor");
   m.def("bf16_packed_linear(Tensor x, Tensor packed, int N, Tensor? bias, bool float_output=False) -> Tensor");
   m.impl("pack_bf16_linear_weight", c10::DispatchKey::CPU, &heteroserve::pack_bf16_linear_weight);
   m.impl("bf16_packed_linear", c10::DispatchKey::CPU, &heteroserve::bf16_packed_linear);
-#endif
 }

@@ -61,11 +61,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
 // decode row here gets the bits it would get in a prompt.
 at::Tensor project(const at::Tensor& x, at::TensorList weight, int64_t N, const std::optional<at::Tensor>& bias) {
   if (weight.size() == 1 && weight[0].scalar_type() == at::kBFloat16) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
     return heteroserve::bf16_packed_linear(x, weight[0], N, bias, false);
-#else
-    TORCH_CHECK_NOT_IMPLEMENTED(false, "decode_layer: bfloat16 panels need the AVX512-BF16 build");
-#endif
   }
   if (weight.size() == 1) return heteroserve::packed_linear(x, weight[0], N, bias);
   TORCH_CHECK(weight.size() == 2, "decode_layer: a projection is [panels] or [packed, scale_zero]");

@@ -10,10 +10,8 @@ namespace heteroserve {
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                          const std::optional<at::Tensor>& bias);
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
 at::Tensor bf16_packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                               const std::optional<at::Tensor>& bias, bool float_output);
-#endif
 at::Tensor int4_panel_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zero);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
