@@ -50,6 +50,21 @@ def supported_variants(cpu_flags: set[str], machine: str | None = None) -> list[
     return [v for v in variants_for(machine) if v.needs <= cpu_flags]
 
 
+LEVEL_VARIABLE = "HETEROSERVE_CPU_LEVEL"
+
+
+def forced_variant(name: str, cpu_flags: set[str], machine: str | None = None) -> KernelVariant:
+    """The level $HETEROSERVE_CPU_LEVEL names; a ValueError naming the choices where this CPU cannot run it."""
+    known = {v.name: v for v in variants_for(machine)}
+    if name not in known:
+        raise ValueError(f"{LEVEL_VARIABLE}={name} is not a level of this architecture (levels: {', '.join(known)})")
+    variant = known[name]
+    missing = variant.needs - cpu_flags
+    if missing:
+        raise ValueError(f"{LEVEL_VARIABLE}={name}: this CPU lacks {', '.join(sorted(missing))}")
+    return variant
+
+
 def prebuilt_root() -> Path:
     return Path(os.environ.get("HETEROSERVE_PREBUILT_KERNELS") or Path(sys.prefix) / "share/heteroserve/cpu-kernels")
 

@@ -174,8 +174,21 @@ def load_library() -> bool:
     """Loads the library once per process: this CPU's own build (made on first use where a C++ compiler is),
     else the prebuilt build of this CPU's instruction-set level (cpu_kernel_variants.py: what the container
     image carries). False, after one warning, where neither loads: the platform then keeps the reference
-    operators."""
+    operators. $HETEROSERVE_CPU_LEVEL names one level instead (x86_64_v4, x86_64_v3, x86_64, armv8_a): its build
+    is made for this machine's cache, so that a machine tests the kernels of every level it can run."""
     global _loaded_build
+    level = os.environ.get(variants.LEVEL_VARIABLE)
+    if level:
+        variant = variants.forced_variant(level, set(cpu_flags().split()))
+        directory = library_directory(
+            build_directory().parent,
+            f"heteroserve_cpu_kernels_{variant.name}",
+            [cpu_flags(), *variants.variant_cflags(variant, CFLAGS)],
+        )
+        directory.mkdir(parents=True, exist_ok=True)
+        compile_and_load(directory, variants.variant_cflags(variant, CFLAGS))
+        _loaded_build = f"{variant.name} ({variants.LEVEL_VARIABLE})"
+        return True
     errors = []
     native = build_directory()
     if (native / f"{native.name}.so").exists() or variants.compiler_available():
@@ -214,7 +227,8 @@ def int8_panel_available() -> bool:
 
 
 def loaded_build() -> str:
-    """Which build of the library this process runs: "native", "prebuilt <level>", or "none"."""
+    """Which build of the library this process runs: "native", "prebuilt <level>", "<level>
+    (HETEROSERVE_CPU_LEVEL)", or "none"."""
     return _loaded_build if load_library() else "none"
 
 

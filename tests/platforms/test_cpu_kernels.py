@@ -350,6 +350,7 @@ def test_a_failed_build_warns_once_and_keeps_the_reference(monkeypatch, tmp_path
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(cpu_kernels, "SOURCES", [broken])
+    monkeypatch.delenv("HETEROSERVE_CPU_LEVEL", raising=False)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     monkeypatch.setenv("HETEROSERVE_PREBUILT_KERNELS", str(tmp_path / "prebuilt"))
     cpu_kernels.load_library.cache_clear()

@@ -107,7 +107,9 @@ inline V add_group(V acc, V s, V part, V z, float x_sum) {
   return acc;
 }
 
-// Rows [0, ROWS) of x times block b straight from its nibbles: out[r, 0:64] (row stride N).
+#if defined(__AVX512F__)
+// Rows [0, ROWS) of x times block b straight from its nibbles: out[r, 0:64] (row stride N). AVX-512's 32 registers
+// hold a pass's 4 x 4 sums, a column's 64 weights and the running totals.
 template <int ROWS>
 void block_rows(const uint8_t* block, const float* scale_zero, int64_t groups, int64_t K, const float* x,
                 const float* x_sums, float* out, int64_t N) {
@@ -132,6 +134,65 @@ void block_rows(const uint8_t* block, const float* scale_zero, int64_t groups, i
   }
   for (int r = 0; r < ROWS; ++r) std::memcpy(out + r * N, acc[r], sizeof(acc[r]));
 }
+#else
+constexpr int kSliceRows = 2 * kLanes;  // rows of a block per pass: two machine vectors of sums a row
+
+// The 4-bit values of rows [first, first + 2 kLanes) of one input column (first a multiple of 2 kLanes): the low
+// nibbles of bytes [first, ...) for rows below 32, the high ones of bytes [first - 32, ...) above.
+inline void unpack_slice(const uint8_t* column, int first, vec q[2]) {
+  const uint8_t* bytes = column + first % (kBlock / 2);
+  const bool high = first >= kBlock / 2;
+#if defined(__AVX2__)
+  for (int h = 0; h < 2; ++h) {
+    const __m256i words = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * h)));
+    const __m256i nibbles = high ? _mm256_srli_epi32(words, 4) : _mm256_and_si256(words, _mm256_set1_epi32(15));
+    const __m256 values = _mm256_cvtepi32_ps(nibbles);
+    std::memcpy(&q[h], &values, sizeof(values));
+  }
+#else  // NEON and SSE: GCC's vector extensions widen the bytes in registers
+  typedef uint8_t bytes_t __attribute__((vector_size(kLanes)));
+  for (int h = 0; h < 2; ++h) {
+    bytes_t b;
+    std::memcpy(&b, bytes + kLanes * h, sizeof(b));
+    q[h] = __builtin_convertvector(high ? b >> 4 : b & 15, vec);
+  }
+#endif
+}
+
+// Rows [0, ROWS) of x times block b straight from its nibbles: out[r, 0:64] (row stride N). With 16 registers
+// (AVX2) or narrower vectors, a group is taken a slice of 2 kLanes rows at a time, the slice's sums in registers
+// and the running totals in memory; the group's bytes come from memory for its first slice, from L1 after.
+template <int ROWS>
+void block_rows(const uint8_t* block, const float* scale_zero, int64_t groups, int64_t K, const float* x,
+                const float* x_sums, float* out, int64_t N) {
+  const int64_t group = K / groups;
+  alignas(64) float acc[ROWS][kBlock] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int first = 0; first < kBlock; first += kSliceRows) {
+      vec part[ROWS][2] = {};
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+        if (first == 0) __builtin_prefetch(block + (k + kDirectPrefetch) * (kBlock / 2));
+        vec q[2];
+        unpack_slice(block + k * (kBlock / 2), first, q);
+        for (int r = 0; r < ROWS; ++r) {
+          const float xr = x[r * K + k];
+          part[r][0] += xr * q[0];
+          part[r][1] += xr * q[1];
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        vec s, z;
+        group_scale(scale_zero, g, first + h * kLanes, s, z);
+        for (int r = 0; r < ROWS; ++r) {
+          float* total = acc[r] + first + h * kLanes;
+          store(total, add_group(load(total), s, part[r][h], z, x_sums[r * groups + g]));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) std::memcpy(out + r * N, acc[r], sizeof(acc[r]));
+}
+#endif
 
 // Block b's 4-bit values as 64 / kPanel panels [K, kPanel] of floats in `panels`.
 void expand_block(const uint8_t* block, int64_t K, float* panels) {
