@@ -126,6 +126,16 @@ class _EngineCollector:
         for operator in OPERATORS:
             fallbacks.add_metric([*values, operator], counts[operator])
         yield fallbacks
+        references = CounterMetricFamily(
+            PREFIX + "linear_reference_calls",
+            "Products by weights the platform has no kernel for, dequantised on every call, by weight format.",
+            labels=[*names, "format"],
+        )
+        formats = {"int4": 0, "int8": 0}
+        formats.update({key.removeprefix("linear "): n for key, n in counts.items() if key.startswith("linear ")})
+        for name, count in formats.items():
+            references.add_metric([*values, name], count)
+        yield references
 
 
 class _Prefixed:

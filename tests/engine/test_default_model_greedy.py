@@ -26,9 +26,13 @@ CHAT_PROMPTS = [
     [{"role": "user", "content": "请把这句话翻译成英文：我喜欢学习。"}],
 ]
 ENGINE_KWARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 128 * 1024**2, "quantization": "none"}
-# Keys and values rounded to 16 bits move the default model's logprobs by up to ~5e-3 (float16) and ~2e-2
-# (bfloat16) from transformers' float32 ones on these prompts: a divergence is accepted below these top-2 gaps.
+# Keys and values rounded to 16 bits move the default model's logprobs by up to ~5e-3 (float16) and ~6e-2
+# (bfloat16, one step of one prompt on an AVX2 machine; ~2e-2 on AVX-512 ones) from transformers' float32 ones on
+# these prompts: a divergence is accepted below these top-2 gaps.
 KV_ROUNDING = {"float16": 2e-2, "bfloat16": 6e-2}
+# The largest logprob difference on the tokens both pick: bfloat16 keeps 3 fewer mantissa bits than float16, so
+# its bound is 8x float16's.
+KV_LOGPROB_BOUND = {"float16": 1e-2, "bfloat16": 8e-2}
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +113,7 @@ def test_16bit_kv_cache(kv_cache_dtype, default_llm, prompts, references, greedy
     assert runner.num_blocks == 2 * default_llm.engine.executor.worker.runner.num_blocks
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    tolerance = KV_ROUNDING[kv_cache_dtype]
+    tolerance, bound = KV_ROUNDING[kv_cache_dtype], KV_LOGPROB_BOUND[kv_cache_dtype]
     for i, (output, ref) in enumerate(zip(outputs, references, strict=True)):
         ours = output.outputs[0]
         greedy_comparison.check(f"kv-{kv_cache_dtype}[{i}]", ours.token_ids, ref, near_tie=tolerance)
@@ -117,4 +121,4 @@ def test_16bit_kv_cache(kv_cache_dtype, default_llm, prompts, references, greedy
             if token != theirs:
                 break
             expected = torch.log_softmax(ref.logits[step], -1)[token].item()
-            assert abs(ours.logprobs[step][token].logprob - expected) < tolerance / 2, (i, step)
+            assert abs(ours.logprobs[step][token].logprob - expected) < bound, (i, step)

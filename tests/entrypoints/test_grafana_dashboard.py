@@ -29,6 +29,7 @@ REQUIRED = {
     "throughput": "heteroserve:generation_tokens_total",
     "preemptions": "heteroserve:num_preemptions_total",
     "fallback operators": "heteroserve:operator_fallbacks_total",
+    "weights on the reference product": "heteroserve:linear_reference_calls_total",
     "gateway back-end health": "heteroserve:gateway_backend_up",
     "gateway errors per back end": "heteroserve:gateway_errors_total",
 }
