@@ -29,7 +29,8 @@ constexpr int64_t kMaxRows = 16;  // input rows per call: beyond this a float GE
 constexpr int64_t kTile = 4;      // input rows that share one dequantised chunk of a weight row
 constexpr int64_t kLanes = 16;    // weights per vector: groups must be a multiple of this
 
-// GCC vector extensions: AVX-512 registers on x86, pairs of NEON ones on arm64, without intrinsics.
+#if defined(__AVX512F__)
+// One AVX-512 register (a GCC vector extension).
 typedef float f32x16 __attribute__((vector_size(64)));
 
 inline f32x16 load_f32(const float* p) {
@@ -38,24 +39,63 @@ inline f32x16 load_f32(const float* p) {
   return v;
 }
 
-// GCC turns a vector-extension int8 -> float conversion into 16 scalar conversions, so x86 gets intrinsics.
 inline f32x16 load_i8_as_f32(const int8_t* p) {
-#if defined(__AVX512F__)
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#elif defined(__AVX2__)
+}
+#else
+// 16 lanes as 16 / kLanes machine vectors (two AVX2 registers, four NEON or SSE ones): the same 16 partial sums an
+// AVX-512 build keeps, each lane computed alike. (A 64-byte GCC vector extension here went through the stack.)
+struct f32x16 {
+  static constexpr int kParts = kLanes / heteroserve::kLanes;
+  heteroserve::vec part[kParts];
+  float operator[](int i) const { return part[i / heteroserve::kLanes][i % heteroserve::kLanes]; }
+};
+
+inline f32x16 operator*(f32x16 a, float s) {
+  for (auto& v : a.part) v *= s;
+  return a;
+}
+
+inline f32x16 operator+(f32x16 a, float s) {
+  for (auto& v : a.part) v += s;
+  return a;
+}
+
+inline f32x16 operator*(f32x16 a, const f32x16& b) {
+  for (int i = 0; i < f32x16::kParts; ++i) a.part[i] *= b.part[i];
+  return a;
+}
+
+inline f32x16& operator+=(f32x16& a, const f32x16& b) {
+  for (int i = 0; i < f32x16::kParts; ++i) a.part[i] += b.part[i];
+  return a;
+}
+
+inline f32x16 load_f32(const float* p) {
+  f32x16 v;
+  for (int i = 0; i < f32x16::kParts; ++i) v.part[i] = heteroserve::load(p + i * heteroserve::kLanes);
+  return v;
+}
+
+inline f32x16 load_i8_as_f32(const int8_t* p) {
+  f32x16 v;
+#if defined(__AVX2__)
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m256 low = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
   const __m256 high = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)));
-  f32x16 v;
-  std::memcpy(&v, &low, sizeof(low));
-  std::memcpy(reinterpret_cast<char*>(&v) + sizeof(low), &high, sizeof(high));
-  return v;
-#else
-  f32x16 v;
-  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
+  std::memcpy(&v.part[0], &low, sizeof(low));
+  std::memcpy(&v.part[1], &high, sizeof(high));
+#else  // NEON and SSE: GCC's vector extensions widen the bytes in registers
+  typedef int8_t bytes_t __attribute__((vector_size(heteroserve::kLanes)));
+  for (int i = 0; i < f32x16::kParts; ++i) {
+    bytes_t b;
+    std::memcpy(&b, p + i * heteroserve::kLanes, sizeof(b));
+    v.part[i] = __builtin_convertvector(b, heteroserve::vec);
+  }
 #endif
+  return v;
 }
+#endif
 
 inline float sum_lanes(f32x16 v) {
   float total = 0.f;
