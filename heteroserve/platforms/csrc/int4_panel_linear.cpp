@@ -135,62 +135,70 @@ void block_rows(const uint8_t* block, const float* scale_zero, int64_t groups, i
   for (int r = 0; r < ROWS; ++r) std::memcpy(out + r * N, acc[r], sizeof(acc[r]));
 }
 #else
-constexpr int kSliceRows = 2 * kLanes;  // rows of a block per pass: two machine vectors of sums a row
+constexpr int kChunkBytes = 2 * kLanes;  // bytes of a column per pass: two machine vectors of rows per nibble
 
-// The 4-bit values of rows [first, first + 2 kLanes) of one input column (first a multiple of 2 kLanes): the low
-// nibbles of bytes [first, ...) for rows below 32, the high ones of bytes [first - 32, ...) above.
-inline void unpack_slice(const uint8_t* column, int first, vec q[2]) {
-  const uint8_t* bytes = column + first % (kBlock / 2);
-  const bool high = first >= kBlock / 2;
+// Bytes [c0, c0 + 2 kLanes) of one input column as floats: q[0..1] the low nibbles (rows c0...), q[2..3] the
+// high ones (rows 32 + c0...); only those the pass asks for (LOW, HIGH) are converted.
+template <bool LOW, bool HIGH>
+inline void unpack_chunk(const uint8_t* bytes, vec q[4]) {
 #if defined(__AVX2__)
   for (int h = 0; h < 2; ++h) {
     const __m256i words = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * h)));
-    const __m256i nibbles = high ? _mm256_srli_epi32(words, 4) : _mm256_and_si256(words, _mm256_set1_epi32(15));
-    const __m256 values = _mm256_cvtepi32_ps(nibbles);
-    std::memcpy(&q[h], &values, sizeof(values));
+    if constexpr (LOW) {
+      const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(words, _mm256_set1_epi32(15)));
+      std::memcpy(&q[h], &low, sizeof(low));
+    }
+    if constexpr (HIGH) {
+      const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(words, 4));
+      std::memcpy(&q[2 + h], &high, sizeof(high));
+    }
   }
 #else  // NEON and SSE: GCC's vector extensions widen the bytes in registers
   typedef uint8_t bytes_t __attribute__((vector_size(kLanes)));
   for (int h = 0; h < 2; ++h) {
     bytes_t b;
     std::memcpy(&b, bytes + kLanes * h, sizeof(b));
-    q[h] = __builtin_convertvector(high ? b >> 4 : b & 15, vec);
+    if constexpr (LOW) q[h] = __builtin_convertvector(b & 15, vec);
+    if constexpr (HIGH) q[2 + h] = __builtin_convertvector(b >> 4, vec);
   }
 #endif
 }
 
-// Rows [0, ROWS) of x times block b straight from its nibbles: out[r, 0:64] (row stride N). With 16 registers
-// (AVX2) or narrower vectors, a group is taken a slice of 2 kLanes rows at a time, the slice's sums in registers
-// and the running totals in memory; the group's bytes come from memory for its first slice, from L1 after.
-template <int ROWS>
-void block_rows(const uint8_t* block, const float* scale_zero, int64_t groups, int64_t K, const float* x,
+// Rows [0, ROWS) of x times the rows of block b that bytes [c0, c0 + 2 kLanes) hold: rows c0... (LOW) and
+// 32 + c0... (HIGH), into out[r, ...] (row stride N). With AVX2's 16 registers a pass keeps its sums for up to 8
+// vectors (2 rows of both nibbles, or 4 rows of one) and each group's running totals in registers or L1; the
+// block's bytes come from memory for its first pass and from L1 for the others.
+template <int ROWS, bool LOW, bool HIGH>
+void chunk_rows(const uint8_t* block, const float* scale_zero, int64_t groups, int64_t K, int c0, const float* x,
                 const float* x_sums, float* out, int64_t N) {
   const int64_t group = K / groups;
-  alignas(64) float acc[ROWS][kBlock] = {};
+  vec acc[ROWS][4] = {};
   for (int64_t g = 0; g < groups; ++g) {
-    for (int first = 0; first < kBlock; first += kSliceRows) {
-      vec part[ROWS][2] = {};
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) {
-        if (first == 0) __builtin_prefetch(block + (k + kDirectPrefetch) * (kBlock / 2));
-        vec q[2];
-        unpack_slice(block + k * (kBlock / 2), first, q);
-        for (int r = 0; r < ROWS; ++r) {
-          const float xr = x[r * K + k];
-          part[r][0] += xr * q[0];
-          part[r][1] += xr * q[1];
-        }
-      }
-      for (int h = 0; h < 2; ++h) {
-        vec s, z;
-        group_scale(scale_zero, g, first + h * kLanes, s, z);
-        for (int r = 0; r < ROWS; ++r) {
-          float* total = acc[r] + first + h * kLanes;
-          store(total, add_group(load(total), s, part[r][h], z, x_sums[r * groups + g]));
+    vec part[ROWS][4] = {};
+    for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+      __builtin_prefetch(block + (k + kDirectPrefetch) * (kBlock / 2) + c0);
+      vec q[4];
+      unpack_chunk<LOW, HIGH>(block + k * (kBlock / 2) + c0, q);
+      for (int r = 0; r < ROWS; ++r) {
+        const float xr = x[r * K + k];
+        for (int v = 0; v < 4; ++v) {
+          if ((v < 2 && LOW) || (v >= 2 && HIGH)) part[r][v] += xr * q[v];
         }
       }
     }
+    for (int v = 0; v < 4; ++v) {
+      if ((v < 2 && !LOW) || (v >= 2 && !HIGH)) continue;
+      vec s, z;
+      group_scale(scale_zero, g, (v < 2 ? 0 : kBlock / 2) + c0 + (v % 2) * kLanes, s, z);
+      for (int r = 0; r < ROWS; ++r) acc[r][v] = add_group(acc[r][v], s, part[r][v], z, x_sums[r * groups + g]);
+    }
   }
-  for (int r = 0; r < ROWS; ++r) std::memcpy(out + r * N, acc[r], sizeof(acc[r]));
+  for (int r = 0; r < ROWS; ++r) {
+    for (int v = 0; v < 4; ++v) {
+      const int row = (v < 2 ? 0 : kBlock / 2) + c0 + (v % 2) * kLanes;
+      if ((v < 2 && LOW) || (v >= 2 && HIGH)) store(out + r * N + row, acc[r][v]);
+    }
+  }
 }
 #endif
 
@@ -241,6 +249,57 @@ void group_tile(const float* x, int64_t K, int64_t groups, const float* x_sums, 
   }
 }
 
+// Rows [0, M) (M < kDirectRows) straight from the nibbles, out[M, N]. Work is split over the pool in units smaller
+// than a block where the vectors are (a block's share of a column per pass), so that a projection of 9 blocks
+// does not leave one thread idle for a ninth of it.
+void direct_rows(const uint8_t* packed, const float* scale_zero, int64_t groups, int64_t K, int64_t N, const float* x,
+                 const float* x_sums, int64_t M, float* out) {
+  const int64_t blocks = N / kBlock;
+#if defined(__AVX512F__)
+  heteroserve::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t m = 0; m < M; m += kDirectPass) {
+        with_rows<kDirectPass>(static_cast<int>(std::min<int64_t>(kDirectPass, M - m)), [&](auto rows) {
+          block_rows<decltype(rows)::value>(packed + b * K * (kBlock / 2), scale_zero + b * groups * 2 * kBlock,
+                                            groups, K, x + m * K, x_sums + m * groups, out + m * N + b * kBlock, N);
+        });
+      }
+    }
+  });
+#else
+  // One or two rows: a pass takes both nibbles of its bytes (one load and widening for two sets of rows); more:
+  // a pass per nibble, four rows at a time.
+  const bool both = M <= 2;
+  const int64_t chunks = (kBlock / 2) / kChunkBytes, units = chunks * (both ? 1 : 2);
+  heteroserve::parallel_for(0, blocks * units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / units, unit = u % units;
+      const int c0 = static_cast<int>(unit % chunks) * kChunkBytes;
+      const bool high = unit >= chunks;
+      const uint8_t* block = packed + b * K * (kBlock / 2);
+      const float* sz = scale_zero + b * groups * 2 * kBlock;
+      if (both) {
+        with_rows<2>(static_cast<int>(M), [&](auto rows) {
+          chunk_rows<decltype(rows)::value, true, true>(block, sz, groups, K, c0, x, x_sums, out + b * kBlock, N);
+        });
+        continue;
+      }
+      for (int64_t m = 0; m < M; m += kDirectPass) {
+        with_rows<kDirectPass>(static_cast<int>(std::min<int64_t>(kDirectPass, M - m)), [&](auto rows) {
+          constexpr int R = decltype(rows)::value;
+          float* o = out + m * N + b * kBlock;
+          if (high) {
+            chunk_rows<R, false, true>(block, sz, groups, K, c0, x + m * K, x_sums + m * groups, o, N);
+          } else {
+            chunk_rows<R, true, false>(block, sz, groups, K, c0, x + m * K, x_sums + m * groups, o, N);
+          }
+        });
+      }
+    }
+  });
+#endif
+}
+
 }  // namespace
 
 namespace heteroserve {
@@ -265,22 +324,7 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& packed, c
   float* od = out.data_ptr<float>();
   const std::vector<float> x_sums = group_sums(xd, M, K, group);
   if (M < kDirectRows) {
-    heteroserve::parallel_for(0, N / kBlock, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
-        for (int64_t m = 0; m < M; m += kDirectPass) {
-          auto run = [&](auto rows) {
-            block_rows<decltype(rows)::value>(pd + b * K * (kBlock / 2), szd + b * groups * 2 * kBlock, groups, K,
-                                              xd + m * K, x_sums.data() + m * groups, od + m * N + b * kBlock, N);
-          };
-          switch (std::min<int64_t>(kDirectPass, M - m)) {
-            case 1: run(std::integral_constant<int, 1>{}); break;
-            case 2: run(std::integral_constant<int, 2>{}); break;
-            case 3: run(std::integral_constant<int, 3>{}); break;
-            default: run(std::integral_constant<int, 4>{}); break;
-          }
-        }
-      }
-    });
+    direct_rows(pd, szd, groups, K, N, xd, x_sums.data(), M, od);
     return out;
   }
   // Rows in slices that stay in L2 (a prefill's x would otherwise stream from L3 once per block); each block is
