@@ -78,16 +78,16 @@ in_root python -c "import torch, platform; print('torch', torch.__version__, pla
 
 step "C++ kernels built here (g++, NEON through GCC vector extensions); one OpenMP runtime in the process"
 in_root python -c "import torch; from heteroserve.platforms import cpu_kernels as k; \
-assert k.load_library(), 'the C++ kernels did not build'; print('cpp kernels:', k.loaded_build(), '; linked:', \
-k.openmp_ldflags()); r = {l.split()[-1] for l in open('/proc/self/maps') if 'gomp' in l or 'iomp5' in l}; \
-print('OpenMP runtimes loaded:', sorted(r)); assert len(r) == 1, r"
+assert k.load_library(), 'the C++ kernels did not build'; print('cpp kernels:', k.loaded_build()); \
+r = {l.split()[-1] for l in open('/proc/self/maps') if 'gomp' in l or 'iomp5' in l}; \
+print('OpenMP runtimes loaded:', sorted(r)); assert len(r) <= 1, r"
 
 step "heteroserve env (ISA detection and the kernel each operator runs)"
 in_root heteroserve env
 
-step "torch's int4 CPU kernel: the start-up self-check decides whether 4-bit weights use it"
-in_root python -c "from heteroserve.platforms.cpu import _int4_kernel_works; print('int4 kernel usable:', \
-_int4_kernel_works())"
+step "4-bit weights: our layout and kernel (NEON path), against the dequantised product"
+in_root sh -c "cd /opt/heteroserve && python -m pytest -q -p no:cacheprovider tests/quantization/test_int4.py \
+    tests/quantization/test_int8.py tests/platforms/test_no_reference_path.py"
 
 step "pytest: core KV cache / scheduler tests, the CPU ISA report"
 in_root sh -c "cd /opt/heteroserve && python -m pytest -q -p no:cacheprovider tests/core \

@@ -361,8 +361,8 @@ class CpuPlatform(Platform):
             torch.ops.heteroserve.set_kernel_threads(self.threads, spin_us)
 
     def assign_threads(self, dtype: torch.dtype, kernels: str = "auto") -> None:
-        """One team of threads owns the cores. Where our GEMM runs the products (float32 activations; bfloat16
-        ones on AVX512-BF16) the C++ kernels' pool runs every product, attention and norm, and torch's operators
+        """One team of threads owns the cores. Where our GEMM runs the products (float32 or bfloat16 activations
+        with the C++ library loaded) the C++ kernels' pool runs every product, attention and norm, and torch's operators
         (the glue between them) get one thread: an OpenMP team beside the pool spins after each parallel torch
         operator on the cores the pool needs, which made scenario B as shipped ~1.4x slower
         (bench/results/kernel_threads/). Where oneDNN or the torch reference runs them, torch's team gets the

@@ -1,5 +1,5 @@
 """A decoder layer of a decode-only step in one C++ call (csrc/decode_layer.cpp): float32 activations with packed
-float32 or 4-bit projections, or bfloat16 activations with packed bfloat16 projections (AVX512-BF16).
+float32 or 4-bit projections, or bfloat16 activations with packed bfloat16 projections.
 
 The kernels are the ones the model otherwise calls one at a time; what goes is the Python between them: at one
 token a step, ~20 operator calls a layer from Python cost about a quarter of the step's time.

@@ -16,8 +16,9 @@
   every batch size, called by cpu_packed.CpuPackedWeight through the platform's linear op; `int4_panel_linear`
   (csrc/int4_panel_linear.cpp) multiplies 4-bit weights in float32 at every batch size with one order of
   summation (cpu_int4): a few rows straight from the nibbles, more on the GEMM's tile shape.
-  `pack_bf16_linear_weight` / `bf16_packed_linear` (csrc/bf16_packed_linear.cpp): its bfloat16 twin on
-  AVX512-BF16's dot-product instruction, in builds whose compiler targets it (`bf16_gemm_available`).
+  `pack_bf16_linear_weight` / `bf16_packed_linear` (csrc/bf16_packed_linear.cpp): its bfloat16 twin, on
+  AVX512-BF16's dot-product instruction where the compiler targets it, elsewhere with the pairs widened in
+  registers (the same layout and sums on every level).
 - `torch.ops.heteroserve.decode_layer` (csrc/decode_layer.cpp): the kernels above chained for one decoder layer
   of a decode-only step (cpu_decode_layer.py), so that no Python runs between them.
 - `torch.ops.heteroserve.int8_grouped_linear` (csrc/int8_grouped_linear.cpp): grouped 8-bit weights read in

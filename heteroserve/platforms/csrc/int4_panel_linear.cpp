@@ -1,20 +1,21 @@
-// y = x W^T for 4-bit weights in torch's CPU int4 layout, in float32 arithmetic, for every number of rows. The
-// layout is [N / 64, K, 32] bytes: byte j of input column k holds row j of the block in its low nibble and row
-// j + 32 in its high one, so a block of 64 output rows is already laid out column by column, as our float32 GEMM's
-// panels are (packed_tile.h).
+// y = x W^T for 4-bit weights in our own layout (cpu_int4.py packs it, the same on every CPU), in float32
+// arithmetic, for every number of rows. The layout is [N / 64, K, 32] bytes: byte j of input column k holds row j of
+// the block in its low nibble and row j + 32 in its high one, so a block of 64 output rows is already laid out
+// column by column, as our float32 GEMM's panels are (packed_tile.h).
 //
 // With w = (q - 8) s + z = q s + z' per group g of inputs (z' = z - 8 s), every output is computed as
 //   y = sum over g, in order, of  s_g * P_g  then  z'_g * X_g,   P_g = sum_{k in g} x_k q_k,  X_g = sum_{k in g} x_k,
 // each sum taken in order of k from zero in float32 (fused multiply-adds). Both paths below add exactly these
 // terms in this order, so a row's result does not depend on how many rows it is multiplied with (a decode row
 // gets the bits the same row gets inside a prompt: the batch-invariance tests rely on it):
-// - a few rows (decode): straight from the nibbles, 16 weights converted at a time and used by up to 4 rows;
-//   one multiply-add per weight and row (the scales come in once per group), so reading the 4 bits from memory,
-//   not arithmetic, bounds a decode row, as in llama.cpp's or our former 8-bit-activation kernel;
+// - a few rows (decode): straight from the nibbles, a machine vector of weights converted at a time and used by up
+//   to 4 rows; one multiply-add per weight and row (the scales come in once per group). With AVX-512 a pass
+//   takes a whole block; with AVX2's 16 registers (and NEON, SSE) a share of a block's bytes, both nibbles of
+//   them for one or two rows;
 // - more rows (prefill): each block's q is expanded once into a thread-local buffer of float panels that stays in
 //   L2 and multiplied there on the GEMM's tile shape, a group at a time.
-// torch's int4 kernel rounds activations to bfloat16; 8-bit activations (llama.cpp's Q8) changed the default
-// model's answer to the demo question when its prompt rows took them.
+// 8-bit activations (llama.cpp's Q8, integer dot products) changed the default model's answer to the demo question
+// when its prompt rows took them, so activations stay float32.
 
 // The library is built allowing reassociation (cpu_kernels.CFLAGS), under which GCC regrouped a sum whose
 // accumulators spilled (tiles of 11-12 rows, AVX2's 16 registers): here the order above is the point.
