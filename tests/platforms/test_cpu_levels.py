@@ -60,11 +60,12 @@ def native_tokens() -> dict:
 
 
 @pytest.mark.parametrize("level", [v.name for v in variants_for() if v.name != "armv8_a"] or ["none"])
-def test_a_level_passes_the_kernel_tests_and_gives_the_native_tokens(level, native_tokens):
+def test_a_level_passes_the_kernel_tests_and_gives_the_native_tokens(level, request):
     if level not in SUPPORTED:
         pytest.skip(f"this CPU cannot run {level}")
     if level == SUPPORTED[0]:
         pytest.skip(f"{level} is this CPU's most capable level: the native build the suite runs")
+    native_tokens = request.getfixturevalue("native_tokens")
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
         cwd=ROOT,
