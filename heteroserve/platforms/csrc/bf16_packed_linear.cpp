@@ -31,6 +31,16 @@ namespace {
 
 constexpr int64_t kBf16Panel = 32;  // 32 float32 sums: two AVX-512 vectors, four AVX2 ones
 
+// The tile's reads ahead at pair kk: the panel kPrefetch pairs on, and its share of the next panel (`ahead`).
+inline void prefetch_step(const uint16_t* w, int64_t kk, const char* ahead, int64_t ahead_lines) {
+  __builtin_prefetch(w + kPrefetch * 2 * kBf16Panel);
+  __builtin_prefetch(w + kPrefetch * 2 * kBf16Panel + 32);
+  if (2 * kk < ahead_lines) {
+    __builtin_prefetch(ahead + 2 * kk * 64, 0, 2);
+    __builtin_prefetch(ahead + (2 * kk + 1) * 64, 0, 2);
+  }
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr int kBf16TileRows = kTileRows;
 // Rows [0, ROWS) of x times one panel; x rows are K bfloat16 apart, K even. out_t: bfloat16 (rounded once) or
@@ -43,12 +53,7 @@ inline void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* panel, const
   const int64_t pairs = K / 2;
   for (int64_t kk = 0; kk < pairs; ++kk) {
     const uint16_t* w = panel + kk * 2 * kBf16Panel;
-    __builtin_prefetch(w + kPrefetch * 2 * kBf16Panel);
-    __builtin_prefetch(w + kPrefetch * 2 * kBf16Panel + 32);
-    if (2 * kk < ahead_lines) {
-      __builtin_prefetch(ahead + 2 * kk * 64, 0, 2);
-      __builtin_prefetch(ahead + (2 * kk + 1) * 64, 0, 2);
-    }
+    prefetch_step(w, kk, ahead, ahead_lines);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w), w1 = (__m512bh)_mm512_loadu_si512(w + 32);
     for (int r = 0; r < ROWS; ++r) {
       int32_t pair;
@@ -95,12 +100,7 @@ inline void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* panel, const
   const int64_t pairs = K / 2;
   for (int64_t kk = 0; kk < pairs; ++kk) {
     const uint16_t* w = panel + kk * 2 * kBf16Panel;
-    __builtin_prefetch(w + kPrefetch * 2 * kBf16Panel);
-    __builtin_prefetch(w + kPrefetch * 2 * kBf16Panel + 32);
-    if (2 * kk < ahead_lines) {
-      __builtin_prefetch(ahead + 2 * kk * 64, 0, 2);
-      __builtin_prefetch(ahead + (2 * kk + 1) * 64, 0, 2);
-    }
+    prefetch_step(w, kk, ahead, ahead_lines);
     float x_even[ROWS], x_odd[ROWS];
     for (int r = 0; r < ROWS; ++r) {
       const uint32_t even_bits = static_cast<uint32_t>(x[r * K + 2 * kk]) << 16;
