@@ -88,7 +88,7 @@ in_root heteroserve env
 step "4- and 8-bit weights: our layouts and kernels (NEON path) against the dequantised product; no projection of
 the default model on the reference"
 in_root sh -c "cd /opt/heteroserve && python -m pytest -q -p no:cacheprovider tests/quantization/test_int4.py \
-    tests/quantization/test_int8.py -k 'against_dequantised or same_bits or own_layout or round_trip' \
+    tests/quantization/test_int8.py -k 'against_dequantised or same_bits or own_layout or round_trip or runs_a_kernel' \
     tests/platforms/test_no_reference_path.py"
 
 step "pytest: core KV cache / scheduler tests, the CPU ISA report"
