@@ -198,7 +198,7 @@ class CpuLinear(LinearOp):
             return CpuGroupedInt8Weight(weight)
         return self._prepare_dense(weight.dequantize(self.dtype))
 
-    def weight_formats(self) -> dict[str, str]:
+    def planned_formats(self) -> dict[str, str]:
         kernels = {"dense": bfloat16_gemm_kernel() if self.packed_bfloat16 else self.name}
         kernels["int4"] = (
             "cpp int4 panel linear (float32 arithmetic)"
@@ -211,7 +211,6 @@ class CpuLinear(LinearOp):
             kernels["int8"] = "torch int8 kernel (per-channel), else dequantised in cache slices"
         else:
             kernels["int8"] = "dequantised in cache slices" if self.dtype == torch.float32 else "expanded at load"
-        kernels.update({name: f"{REFERENCE_LINEAR}: {why}" for name, why in self.reference_formats.items()})
         return kernels
 
     def _prepare_permuted(self, weight: PermutedInput) -> torch.Tensor | CompressedWeight:

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from heteroserve.platforms import cpu_kernels
 from heteroserve.quantization.int4 import Int4Weight
 
 BLOCK_ROWS = 64  # output rows per block of the layout
@@ -76,8 +75,3 @@ class CpuInt4Weight:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scale_zero))
-
-
-def int4_kernel_available() -> bool:
-    """Our 4-bit kernel is loaded (the C++ library built or prebuilt for this CPU)."""
-    return cpu_kernels.load_library()

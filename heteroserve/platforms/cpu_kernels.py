@@ -164,10 +164,14 @@ def library_directory(root: Path, name: str, flags: list[str]) -> Path:
     return root / f"{name}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
+def extensions_root() -> Path:
+    """$TORCH_EXTENSIONS_DIR or ~/.cache/heteroserve/extensions: where this machine's builds are kept."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "heteroserve" / "extensions")
+
+
 def build_directory() -> Path:
-    """$TORCH_EXTENSIONS_DIR or ~/.cache/heteroserve/extensions, then one folder per (CPU, torch, sources)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "heteroserve" / "extensions"
-    return library_directory(Path(root), "heteroserve_cpu_kernels", [cpu_flags(), *CFLAGS])
+    """extensions_root(), then one folder per (CPU, torch, sources)."""
+    return library_directory(extensions_root(), "heteroserve_cpu_kernels", [cpu_flags(), *CFLAGS])
 
 
 @functools.cache
@@ -182,7 +186,7 @@ def load_library() -> bool:
     if level:
         variant = variants.forced_variant(level, set(cpu_flags().split()))
         directory = library_directory(
-            build_directory().parent,
+            extensions_root(),
             f"heteroserve_cpu_kernels_{variant.name}",
             [cpu_flags(), *variants.variant_cflags(variant, CFLAGS)],
         )

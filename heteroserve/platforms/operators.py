@@ -87,9 +87,14 @@ class LinearOp:
         self.reference_formats[name] = why
         return weight
 
+    def planned_formats(self) -> dict[str, str]:
+        """The kernel this op gives each weight format at load, by format name; platforms with kernels override."""
+        return {"dense": self.name, "int4": REFERENCE_LINEAR, "int8": REFERENCE_LINEAR}
+
     def weight_formats(self) -> dict[str, str]:
-        """The kernel each weight format's products run, by format name (`heteroserve env`)."""
-        kernels = {"dense": self.name, "int4": REFERENCE_LINEAR, "int8": REFERENCE_LINEAR}
+        """The kernel each weight format's products run (`heteroserve env`): the plan, with the formats that
+        `keep_reference` left to the reference and why."""
+        kernels = self.planned_formats()
         kernels.update({name: f"{REFERENCE_LINEAR}: {why}" for name, why in self.reference_formats.items()})
         return kernels
 
