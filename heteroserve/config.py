@@ -12,8 +12,24 @@ QUANTIZATIONS = (None, "none", "gguf", "gptq", "awq", "int4", "int8")
 # "auto": the activations' dtype; a 16-bit cache under float32 activations halves the KV memory and what a decode
 # step reads from it (llama.cpp keeps its cache in float16 by default, F32 weights included).
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
-# --reasoning-parser: the text that closes a reasoning model's thinking, after which structured outputs apply.
-REASONING_END_MARKERS = {"qwen3": "</think>", "deepseek_r1": "</think>"}
+
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """How a reasoning model's output marks its thinking; structured outputs apply to what follows it.
+    `starts_in_reasoning`: the output is reasoning until `end` even without `start` (DeepSeek-R1's template ends
+    the prompt with `<think>`); otherwise an output that does not open with `start` is all answer (Qwen3's)."""
+
+    start: str
+    end: str
+    starts_in_reasoning: bool
+
+
+# --reasoning-parser: the formats by vLLM's parser names (the server's parsers, reasoning_parsers.py, read these).
+REASONING_FORMATS = {
+    "qwen3": ReasoningFormat("<think>", "</think>", starts_in_reasoning=False),
+    "deepseek_r1": ReasoningFormat("<think>", "</think>", starts_in_reasoning=True),
+}
 # --runner: "generate" (text out), "pooling" (embeddings and scores out), "auto": what the checkpoint is
 # (a sentence-transformers folder, an encoder or a *ForSequenceClassification model pools; the rest generates).
 RUNNERS = ("auto", "generate", "pooling")
@@ -273,9 +289,9 @@ class EngineConfig:
     reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_END_MARKERS:
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_FORMATS:
             raise ValueError(
-                f"unknown reasoning parser {self.reasoning_parser!r}; known: {', '.join(sorted(REASONING_END_MARKERS))}"
+                f"unknown reasoning parser {self.reasoning_parser!r}; known: {', '.join(sorted(REASONING_FORMATS))}"
             )
         if self.lora is not None:
             if self.scheduler.pooling:

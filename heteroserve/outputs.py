@@ -48,8 +48,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: SampleLogprobs | None = None
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    error: str | None = None  # with finish_reason "error": what failed (the output's grammar)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -9,7 +9,8 @@ back end (started again after it exits).
 
 Targets: no good request fails before its first byte (the gateway retries on another back end), every stream
 that breaks ends with an error event, no 5xx outside the windows in which a back end was killed or stopped, no
-KV block in use once the load is over, and each server's RSS grows by less than 5% after warm-up.
+KV block in use once the load is over, the drained back end exits 0 in time, and each server's RSS grows by less
+than 5% after warm-up. `failures` lists what missed its target; any makes the command exit 1.
 """
 
 from __future__ import annotations
@@ -36,7 +37,11 @@ from heteroserve.bench.serve import OwnServer
 from heteroserve.platforms import resolve_platform
 
 MODEL = "SmolLM2-135M-Instruct"
-SERVER_FLAGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(64 * 1024**2), "--drain-timeout", "20"]
+DRAIN_TIMEOUT_S = 20
+# A drained server must have exited by then: its drain, uvicorn's graceful shutdown (5 s) and the engine's.
+EXIT_AFTER_DRAIN_S = DRAIN_TIMEOUT_S + 10
+SERVER_FLAGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(64 * 1024**2)]
+SERVER_FLAGS += ["--drain-timeout", str(DRAIN_TIMEOUT_S)]
 # Each server gets one thread: they and the gateway share the machine's cores, and spinning OpenMP workers of
 # several processes on the same cores slow each other ~10x.
 SERVER_ENV = {"HETEROSERVE_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
@@ -210,6 +215,18 @@ def wait_exit(process: subprocess.Popen, timeout: float) -> int | None:
         return None
 
 
+def drain(process: subprocess.Popen, name: str, exit_within_s: float) -> dict:
+    """SIGTERM, then the event that says how the back end ended: "exited" with its code, or "did not exit after
+    drain" when it was still running `exit_within_s` later (it is then SIGKILLed, so that it can be restarted)."""
+    process.send_signal(signal.SIGTERM)
+    code = wait_exit(process, exit_within_s)
+    if code is None:
+        process.kill()
+        process.wait()
+        return {"event": "did not exit after drain", "backend": name, "waited_s": exit_within_s}
+    return {"event": "exited", "backend": name, "code": code}
+
+
 async def inject_faults(
     servers: list[SoakServer],
     gateway: OwnServer,
@@ -255,10 +272,9 @@ async def inject_faults(
     note("SIGHUP", target="gateway")
     await at(0.80)
     draining = time.monotonic()
-    victim.own.process.send_signal(signal.SIGTERM)
     note("SIGTERM", backend=victim.name)
-    code = await asyncio.to_thread(wait_exit, victim.own.process, 30)
-    note("exited", backend=victim.name, code=code)
+    ended = await asyncio.to_thread(drain, victim.own.process, victim.name, EXIT_AFTER_DRAIN_S)
+    note(**ended)
     await asyncio.to_thread(victim.restart)
     faults.spans.append((draining, time.monotonic()))
     note("restarted", backend=victim.name)
@@ -376,12 +392,29 @@ def run_soak_command(args) -> None:
     if args.duration < 20:
         raise SystemExit("--duration must be at least 20 s: the fault schedule needs the room")
     result = run_soak(args)
+    result["failures"] = soak_failures(result)
     text = json.dumps(result, indent=2)
     print(text)
     if args.output_json is not None:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(text + "\n")
+    sys.exit(1 if result["failures"] else 0)
+
+
+def soak_failures(result: dict) -> list[str]:
+    """What the soak's targets say went wrong, one line each (none: it passed)."""
     lost = result["requests"]
-    failures = lost["failed_before_first_byte"] + lost["streams_broken_without_error_event"] + lost["unexpected_5xx"]
-    leaked = any(v for v in result["kv_cache_usage_after_load"].values())
-    sys.exit(1 if failures or leaked else 0)
+    failures = [
+        f"{lost[name]} {name.replace('_', ' ')}"
+        for name in ("failed_before_first_byte", "streams_broken_without_error_event", "unexpected_5xx")
+        if lost[name]
+    ]
+    failures += [
+        f"KV cache in use after the load on {name}" for name, v in result["kv_cache_usage_after_load"].items() if v
+    ]
+    for event in result["faults"]:
+        if event["event"] == "did not exit after drain":
+            failures.append(f"{event['backend']} did not exit within {event['waited_s']} s of SIGTERM (drain)")
+        elif event["event"] == "exited" and event["code"] != 0:
+            failures.append(f"{event['backend']} exited with code {event['code']} after SIGTERM (drain)")
+    return failures

@@ -18,6 +18,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the request cannot go on (its grammar failed); `Request.error` says why
 
     @property
     def finished(self) -> bool:
@@ -29,6 +30,7 @@ class RequestStatus(enum.IntEnum):
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
 
 
@@ -56,6 +58,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first schedule
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    error: str | None = None  # why a FINISHED_ERROR request ended
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -13,7 +13,7 @@ from typing import Any
 
 from heteroserve.config import (
     KV_CACHE_DTYPES,
-    REASONING_END_MARKERS,
+    REASONING_FORMATS,
     RUNNERS,
     CacheConfig,
     DeviceConfig,
@@ -142,7 +142,7 @@ class EngineArgs:
         None,
         "how the model marks its thinking: chat answers split it into reasoning_content, and structured "
         "outputs apply after it",
-        choices=sorted(REASONING_END_MARKERS),
+        choices=sorted(REASONING_FORMATS),
     )
     speculative_config: dict | None = _setting(
         None,

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import copy
 import logging
-import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from heteroserve.config import REASONING_END_MARKERS, EngineConfig
+from heteroserve.config import REASONING_FORMATS, EngineConfig
 from heteroserve.core.kv_cache_manager import KVCacheManager
 from heteroserve.core.ngram_proposer import NgramProposer
 from heteroserve.core.request import Request, RequestStatus
 from heteroserve.core.scheduler import Scheduler, SchedulerStats
 from heteroserve.engine.output_processor import OutputProcessor, ParentRequest
+from heteroserve.engine.pooling_tokenizer import PoolingTokenizer
 from heteroserve.executor import make_executor
 from heteroserve.lora.peft_adapter import inspect_adapter
 from heteroserve.lora.request import LoRARequest
@@ -26,6 +25,7 @@ from heteroserve.pooling_params import PoolingParams
 from heteroserve.sampling_params import SamplingParams
 from heteroserve.structured_output.grammar_compiler import GrammarCompiler
 from heteroserve.structured_output.manager import StructuredOutputManager
+from heteroserve.structured_output.reasoning_markers import ReasoningMarkers, reasoning_markers
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,7 @@ class LLMEngine:
         self._structured: StructuredOutputManager | None = None  # built by the first request with a grammar
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, reported by the next step
         self._pooling_prompts: dict[str, str | None] = {}  # queued pooling requests -> their prompt text
-        self._truncating_tokenizer = None  # a copy of the tokenizer for truncating calls (see _tokenize)
-        self._truncation_lock = threading.Lock()
+        self.pooling_tokenizer = PoolingTokenizer(self.tokenizer, self.pooler_spec, self.max_model_len)
         self._lora_arch = ModelArch.from_hf_config(self.hf_config) if config.lora is not None else None
         self._lora_adapters: dict[int, LoRARequest] = {}  # adapters checked against the model, by id
         tokens = info.num_blocks * config.cache.block_size
@@ -132,37 +131,16 @@ class LLMEngine:
         return None, [int(t) for t in prompt]
 
     def tokenize_pair(self, text_1: str, text_2: str, truncate_prompt_tokens: int | None = None) -> dict[str, object]:
-        """A cross-encoder's prompt for a text pair: the tokenizer's pair template, with BERT's token types."""
+        """A cross-encoder's prompt for a text pair, as sentence-transformers' CrossEncoder tokenizes it (the
+        tokenizer's pair template with BERT's token types, or query and document messages through the chat
+        template)."""
         if self.tokenizer is None:
             raise ValueError("scoring text pairs needs the model's tokenizer, and this model has none")
-        if self.pooler_spec is not None and self.pooler_spec.lowercase:
-            text_1, text_2 = text_1.lower(), text_2.lower()
-        encoded = self._tokenize(text_1, text_2, truncate_prompt_tokens=truncate_prompt_tokens)
+        encoded = self.pooling_tokenizer.pair(text_1, text_2, truncate_prompt_tokens)
         pair = {"prompt": f"{text_1}\n{text_2}", "prompt_token_ids": list(encoded["input_ids"])}
         if "token_type_ids" in encoded:
             pair["token_type_ids"] = list(encoded["token_type_ids"])
         return pair
-
-    def _tokenize(self, *texts: str, truncate_prompt_tokens: int | None) -> Mapping[str, list[int]]:
-        """The tokenizer's encoding of one text or a pair, truncated as the tokenizer truncates (its side, its
-        special tokens kept). Truncating switches a setting inside a fast tokenizer, which must not happen while
-        another thread encodes with it (the server tokenizes in threads of its own), so truncation runs on a
-        private copy, one call at a time."""
-        if truncate_prompt_tokens is None:
-            return self.tokenizer(*texts)
-        limit = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-        with self._truncation_lock:
-            if self._truncating_tokenizer is None:
-                self._truncating_tokenizer = copy.deepcopy(self.tokenizer)
-            return self._truncating_tokenizer(*texts, truncation=True, max_length=limit)
-
-    def _truncate_ids(self, ids: list[int] | None, truncate_prompt_tokens: int | None) -> list[int] | None:
-        """Token ids cut to truncate_prompt_tokens (-1: max_model_len) on the tokenizer's truncation side."""
-        if ids is None or truncate_prompt_tokens is None:
-            return ids
-        limit = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-        left = self.tokenizer is not None and self.tokenizer.truncation_side == "left"
-        return ids[-limit:] if left else ids[:limit]
 
     def add_request(
         self,
@@ -192,7 +170,7 @@ class LLMEngine:
             params = params.clone(bad_words_token_ids=self._bad_words_token_ids(params.bad_words))
         self._validate(request_id, token_ids, params)
         grammar = self._grammar(params) if params.structured_outputs is not None else None
-        reasoning_end = self._reasoning_end(text, token_ids) if grammar is not None else None
+        reasoning = self._reasoning_markers(text, token_ids) if grammar is not None else None
         if not params.ignore_eos and self.extra_eos_token_ids:
             params = params.clone(stop_token_ids=params.stop_token_ids + self.extra_eos_token_ids)
         arrival = arrival_time or time.time()
@@ -208,7 +186,7 @@ class LLMEngine:
         for i, request in enumerate(requests):
             self._add(request, text, i, parent)
             if grammar is not None:
-                self._structured.add(request.request_id, grammar, reasoning_end)
+                self._structured.add(request.request_id, grammar, reasoning)
         if parent is not None:
             self._children[request_id] = [r.request_id for r in requests]
 
@@ -233,30 +211,27 @@ class LLMEngine:
 
     def pooling_prompt(self, prompt: PromptInput, params: PoolingParams) -> dict[str, object]:
         """A pooling request's prompt as token ids ("prompt", "prompt_token_ids" and, for text pairs,
-        "token_type_ids"): lowercased where the checkpoint says so, tokenized, truncated as asked. Thread-safe, so a
-        server tokenizes in threads of its own instead of the engine's; add_request accepts the result as is."""
-        if self.pooler_spec is not None and self.pooler_spec.lowercase:  # as sentence-transformers does
-            if isinstance(prompt, str):
-                prompt = prompt.lower()
-            elif (
-                isinstance(prompt, Mapping)
-                and "prompt_token_ids" not in prompt
-                and isinstance(prompt.get("prompt"), str)
-            ):
-                prompt = {**prompt, "prompt": prompt["prompt"].lower()}
-        token_type_ids = None
+        "token_type_ids"): a text tokenized as sentence-transformers' encode does (PoolingTokenizer), token ids as
+        they are, truncated as asked. Thread-safe, so a server tokenizes in threads of its own instead of the
+        engine's; add_request accepts the result as is."""
+        text, token_ids, token_type_ids = prompt, None, None
         if isinstance(prompt, Mapping):
-            token_type_ids = prompt.get("token_type_ids")
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "token_type_ids"}
             if unknown:
                 raise ValueError(f"a pooling prompt takes no {', '.join(sorted(unknown))}")
+            if "prompt_token_ids" not in prompt and not isinstance(prompt.get("prompt"), str):
+                raise ValueError("a prompt dict needs 'prompt' (a text) or 'prompt_token_ids'")
+            text, token_type_ids = prompt.get("prompt"), prompt.get("token_type_ids")
+            if "prompt_token_ids" in prompt:
+                token_ids = [int(t) for t in prompt["prompt_token_ids"]]
+        elif not isinstance(prompt, str):
+            text, token_ids = None, [int(t) for t in prompt]
         truncate = params.truncate_prompt_tokens
-        if isinstance(prompt, str) and truncate is not None and self.tokenizer is not None:
-            text, token_ids = prompt, list(self._tokenize(prompt, truncate_prompt_tokens=truncate)["input_ids"])
+        if token_ids is None:
+            token_ids = list(self.pooling_tokenizer.text(text, truncate)["input_ids"])
         else:
-            text, token_ids = self.tokenize_prompt(prompt)
-            token_ids = self._truncate_ids(token_ids, truncate)
-            token_type_ids = self._truncate_ids(token_type_ids, truncate)
+            token_ids = self.pooling_tokenizer.cut(token_ids, truncate)
+        token_type_ids = self.pooling_tokenizer.cut(token_type_ids, truncate)
         tokenized: dict[str, object] = {"prompt": text, "prompt_token_ids": token_ids}
         if token_type_ids is not None:
             tokenized["token_type_ids"] = [int(t) for t in token_type_ids]
@@ -388,16 +363,16 @@ class LLMEngine:
             self._structured = StructuredOutputManager(GrammarCompiler(self.tokenizer, self.vocab_size, eos))
         return self._structured.compiler.grammar(params.structured_outputs)
 
-    def _reasoning_end(self, text: str | None, token_ids: list[int]) -> list[int] | None:
-        """With a reasoning parser, the token ids that end the reasoning the output starts with; None when the
-        prompt already closes it (Qwen3's template with enable_thinking=False ends in `<think>\n\n</think>\n\n`)."""
+    def _reasoning_markers(self, text: str | None, token_ids: list[int]) -> ReasoningMarkers | None:
+        """With a reasoning parser, where the answer that a grammar constrains begins (reasoning_markers.py)."""
         if self.config.reasoning_parser is None:
             return None
-        marker = REASONING_END_MARKERS[self.config.reasoning_parser]
-        tail = text if text is not None else self.tokenizer.decode(token_ids[-16:])
-        if tail.rstrip().endswith(marker):
-            return None
-        return self.tokenizer.encode(marker, add_special_tokens=False)
+        prompt = text if text is not None else self.tokenizer.decode(token_ids[-16:])
+        return reasoning_markers(
+            REASONING_FORMATS[self.config.reasoning_parser],
+            prompt,
+            lambda marker: self.tokenizer.encode(marker, add_special_tokens=False),
+        )
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Stops requests at once and frees their blocks; each gets a final output with reason 'abort'."""
@@ -450,8 +425,12 @@ class LLMEngine:
             appended = request.num_tokens - known[rid]  # fewer than sampled where a stop rule ended the request
             if appended == 0:
                 continue
-            if self._structured is not None:
-                self._structured.advance(rid, request.token_ids[known[rid] :])
+            error = self._structured.advance(rid, request.token_ids[known[rid] :]) if self._structured else None
+            if error is not None:
+                if self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR) is None:
+                    request.status = RequestStatus.FINISHED_ERROR  # a stop rule had ended it in this step
+                request.error = error
+                appended = 0  # tokens the grammar refused are not reported as text
             for i in range(appended):
                 num_output = known[rid] + i + 1 - request.num_prompt_tokens
                 if self.outputs.add_token(rid, result.token_ids[i], result.logprobs[i], num_output):

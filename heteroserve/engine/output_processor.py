@@ -105,6 +105,7 @@ class OutputProcessor:
             logprobs=logprobs,
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
+            error=request.error,
         )
         return self._wrap(state, completion, finished)
 

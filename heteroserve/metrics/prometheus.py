@@ -25,7 +25,7 @@ VLLM_OLD_NAMES = {
     "prefix_cache_queries": "gpu_prefix_cache_queries",
     "prefix_cache_hits": "gpu_prefix_cache_hits",
 }
-ABORT_REASONS = ("client_disconnect", "timeout", "engine_error")
+ABORT_REASONS = ("client_disconnect", "timeout", "engine_error", "grammar_error")
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from heteroserve.config import REASONING_FORMATS
 from heteroserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, reasoning_parser
 
 
@@ -102,3 +103,10 @@ def test_streams_equal_extract_however_split(name, data):
     reasoning, content = reasoning_parser(name)().extract(text)
     pieces = [text[start:end] for start, end in zip(bounds, bounds[1:], strict=False)]
     assert stream(name, pieces) == (reasoning or "", content or "")
+
+
+def test_the_server_parsers_and_the_engine_read_one_registry():
+    """The engine waits for the reasoning the server's parser splits off: one format per name for both."""
+    assert set(REASONING_PARSERS) == set(REASONING_FORMATS)
+    for name, parser in REASONING_PARSERS.items():
+        assert parser.starts_in_reasoning is REASONING_FORMATS[name].starts_in_reasoning

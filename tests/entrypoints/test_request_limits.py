@@ -1,7 +1,8 @@
 """Hostile and careless requests meet limits: request chat templates (refused by default, bounded in time and size
-when trusted, rendered as transformers renders them), request bodies (413 past --max-request-body-bytes, large
-prompts tokenized off the event loop), --request-timeout over whole streams, and the prompts of one completion
-request. Most run on a server of their own whose limits are small enough to reach quickly."""
+when trusted, in worker processes under a memory cap, rendered as transformers renders them), request bodies (413
+past --max-request-body-bytes, large prompts tokenized off the event loop), --request-timeout over whole streams,
+and the prompts of one completion request. Most run on a server of their own whose limits are small enough to
+reach quickly."""
 
 from __future__ import annotations
 
@@ -165,6 +166,56 @@ def test_hostile_templates_stop_at_their_deadline_while_the_server_answers(limit
     huge = _post(limits_server, "/v1/chat/completions", {"messages": HI, "chat_template": "{{ 'x' * 10000000 }}"})
     assert "characters" in _error(huge, 400, "chat_template")["message"]
     assert time.monotonic() - started < 5
+
+
+# Steps that no check compiled into a template can interrupt, each with what its 400 names: a `%` format, center
+# and indent build their whole width at once (in the server they ran 40 s, stalled /health and left it 1 GB
+# larger; indent even answered 200), and urlize mapped over 400,000 items runs for seconds inside filters.
+UNINTERRUPTIBLE_STEPS = {
+    "{{ '%0999999999d' % 1 }}": "MiB of memory",
+    "{{ 'x'|center(300000000) }}": "MiB of memory",
+    "{{ 'x'|indent(300000000) }}": "MiB of memory",
+    "{{ ('x' * 400000)|list|map('urlize')|map('urlize')|map('urlize')|map('urlize')|join|length }}": (
+        "--chat-template-timeout"
+    ),
+}
+
+
+def _rss_kib(server: ServerProcess) -> int:
+    status = Path(f"/proc/{server.process.pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1])
+
+
+def test_uninterruptible_template_steps_stop_in_worker_processes(limits_server, default_tokenizer):
+    """Request templates render in worker processes under a memory cap, killed at --chat-template-timeout: each of
+    the steps above is a 400 naming its problem within the timeout, /health answers at once meanwhile, the server
+    does not grow, and the replaced workers render the next template."""
+    rss_before = _rss_kib(limits_server)
+    answers: dict[str, tuple[httpx.Response, float]] = {}
+
+    def send(template: str) -> None:
+        started = time.monotonic()
+        body = {"messages": HI, "chat_template": template, "max_tokens": 1}
+        answers[template] = (_post(limits_server, "/v1/chat/completions", body), time.monotonic() - started)
+
+    senders = [threading.Thread(target=send, args=(template,)) for template in UNINTERRUPTIBLE_STEPS]
+    for sender in senders:
+        sender.start()
+    slowest_health = 0.0
+    while any(sender.is_alive() for sender in senders):
+        before = time.monotonic()
+        assert httpx.get(f"{limits_server.base_url}/health", timeout=60).status_code == 200
+        slowest_health = max(slowest_health, time.monotonic() - before)
+        time.sleep(0.05)
+    for template, named in UNINTERRUPTIBLE_STEPS.items():
+        response, elapsed = answers[template]
+        assert named in _error(response, 400, "chat_template")["message"], template
+        assert elapsed < TEMPLATE_TIMEOUT + 5, (template, elapsed)
+    assert slowest_health < 1.0, slowest_health
+    assert _rss_kib(limits_server) - rss_before < 100 * 1024
+    plain = {"messages": HI, "chat_template": "{{ messages[0].content }}"}
+    tokens = _post(limits_server, "/tokenize", plain).json()["tokens"]
+    assert tokens == default_tokenizer.encode("hi", add_special_tokens=False)
 
 
 def test_bodies_over_the_limit_answer_413(limits_server):

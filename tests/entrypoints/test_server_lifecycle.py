@@ -76,7 +76,7 @@ def test_cors_preflight_needs_no_key(strict_server):
 def test_waiting_queue_limit_holds_against_a_burst(strict_server):
     """One sequence runs at a time and two may wait. Twelve requests sent at once (completions and chats share
     the count) arrive before the engine thread has queued any of them: two, or three if the first has started
-    running meanwhile, are admitted and finish; the rest get OpenAI's 429 at once."""
+    running meanwhile, are admitted and finish; the rest get OpenAI's 429 at once, with a Retry-After."""
     headers = {"Authorization": f"Bearer {KEY}"}
     completion = {"model": "smol", "prompt": "Tell me a story", "max_tokens": 24, "ignore_eos": True}
     chat = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24, "ignore_eos": True}
@@ -95,6 +95,7 @@ def test_waiting_queue_limit_holds_against_a_burst(strict_server):
     statuses = [r.status_code for r in responses]
     assert set(statuses) == {200, 429} and statuses.count(429) >= 9, statuses
     refused = [r for r in responses if r.status_code == 429]
+    assert {r.headers.get("retry-after") for r in refused} == {"1"}  # when clients may try again, in seconds
     assert refused[0].json() == {
         "error": {
             "message": "too many requests waiting (limit 2); retry later",

@@ -7,6 +7,7 @@ streaming, and where the grammar starts."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import httpx
@@ -122,24 +123,21 @@ def test_reasoning_goes_to_reasoning_content(client):
     assert (streamed_reasoning, streamed_content) == (reasoning, message.content)
 
 
-def test_structured_output_waits_for_the_end_of_reasoning(client, tools_server):
-    """Thinking enabled (the prompt leaves the model to open and close its reasoning): the schema does not apply
-    from the first token, so the 135M model, which never closes a think block, writes free text; with thinking
-    disabled in the template the same request gives JSON."""
-    kwargs = dict(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Name a city."}],
-        temperature=0,
-        max_tokens=24,
-        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": TOOLS["get_weather"]}},
-    )
-    thinking = client.chat.completions.create(**kwargs).choices[0].message.content
-    assert thinking and not thinking.startswith("{")  # free text: the grammar waits for </think>
+def test_constraints_hold_when_the_output_does_not_open_with_think(client):
+    """Thinking left on (the prompt leaves the model to open a reasoning block): the 135M model writes no
+    `<think>`, so under Qwen3's format its whole output is the answer, constrained from its first token, and the
+    schema, a forced call and a regex all hold."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name a city."}], temperature=0, max_tokens=80)
     answer = client.chat.completions.create(
-        **{**kwargs, "max_tokens": 80}, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+        **kwargs,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": TOOLS["get_weather"]}},
     ).choices[0]
     assert json.loads(answer.message.content)["unit"] in ("celsius", "fahrenheit")
     assert answer.message.model_extra["reasoning_content"] is None
+    forced = client.chat.completions.create(**kwargs, tools=[WEATHER], tool_choice="required").choices[0]
+    assert forced.finish_reason == "tool_calls" and forced.message.tool_calls[0].function.name == "get_weather"
+    steered = client.chat.completions.create(**kwargs, extra_body={"guided_regex": "[A-Z][a-z]{2,12}"}).choices[0]
+    assert re.fullmatch("[A-Z][a-z]{2,12}", steered.message.content), steered.message.content
 
 
 def test_history_with_tool_calls_reaches_the_template(tools_server):
@@ -176,5 +174,9 @@ def test_history_with_tool_calls_reaches_the_template(tools_server):
             "tool_calls": [{**messages[1]["tool_calls"][0], "function": {"name": "get_weather", "arguments": "{oops"}}],
         },
     ]
-    reply = httpx.post(f"{tools_server.base_url}/v1/chat/completions", json={"messages": bad}, timeout=60)
-    assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"]
+    # Arguments that are not JSON reach the template as the string they are, as OpenAI passes them on.
+    tokens = httpx.post(f"{tools_server.base_url}/tokenize", json={"messages": bad}, timeout=60).json()["tokens"]
+    prompt = httpx.post(f"{tools_server.base_url}/detokenize", json={"tokens": tokens}, timeout=60).json()["prompt"]
+    assert '"arguments": "{oops"' in prompt
+    reply = httpx.post(f"{tools_server.base_url}/v1/chat/completions", json={"messages": bad, "max_tokens": 4})
+    assert reply.status_code == 200, reply.text

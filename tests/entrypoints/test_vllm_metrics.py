@@ -113,7 +113,7 @@ def test_every_metric_under_both_prefixes_moves_under_load(server):
             assert after.get(prefix + name, 0) > before.get(prefix + name, 0), prefix + name
         for name in PRESENT:
             assert prefix + name in after, prefix + name
-        for reason in ("client_disconnect", "timeout", "engine_error"):
+        for reason in ("client_disconnect", "timeout", "engine_error", "grammar_error"):
             text = httpx.get(f"{server.base_url}/metrics").text
             assert f'{prefix}request_aborted_total{{model_name="{MODEL}",reason="{reason}"}}' in text
         assert after[prefix + "cache_config_info"] == 1

@@ -30,14 +30,14 @@ class StandIn(ChildServer):
 
 
 class GatewayProcess(ChildServer):
-    """`heteroserve gateway` on a free port with `config` written to `folder`/gateway.yaml."""
+    """`heteroserve gateway ARGS` on a free port with `config` written to `folder`/gateway.yaml."""
 
-    def __init__(self, config: dict, folder: Path) -> None:
+    def __init__(self, config: dict, folder: Path, *args: str) -> None:
         self.config_path = folder / "gateway.yaml"
         self.write(config)
         port = free_port()
         command = [sys.executable, "-m", "heteroserve.entrypoints.cli", "gateway", "--config", str(self.config_path)]
-        command += ["--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning"]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning", *args]
         super().__init__(command, port, "gateway", ready_path="/health", startup_timeout=60)
 
     def write(self, config: dict) -> None:

@@ -1,5 +1,6 @@
 """A minimal OpenAI-compatible back end for the gateway tests, run as its own process, that can be told
-(POST /control) to answer normally, fail with 500, stall before answering, or fail its health check.
+(POST /control) to answer normally, fail with 500, answer 429 (with `retry_after` as its Retry-After, if set),
+stall before answering, or fail its health check.
 
 Streams send `chunks` events `delay` seconds apart. `GET /seen` lists the X-Request-Id and Authorization
 headers of the requests it received.
@@ -21,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 def build_app(models: list[str]) -> FastAPI:
     app = FastAPI()
-    control = {"mode": "ok", "chunks": 5, "delay": 0.0}
+    control = {"mode": "ok", "chunks": 5, "delay": 0.0, "retry_after": None}
     seen: list[dict[str, str | None]] = []
 
     @app.post("/control")
@@ -50,6 +51,10 @@ def build_app(models: list[str]) -> FastAPI:
         if control["mode"] == "error":
             error = {"message": "stand-in told to fail", "type": "InternalServerError", "param": None, "code": 500}
             return JSONResponse({"error": error}, status_code=500)
+        if control["mode"] == "busy":
+            headers = {} if control["retry_after"] is None else {"Retry-After": control["retry_after"]}
+            error = {"message": "stand-in told to be busy", "type": "RateLimitError", "param": None, "code": 429}
+            return JSONResponse({"error": error}, status_code=429, headers=headers)
         if control["mode"] == "stall":
             await asyncio.sleep(3600)
         chat = kind == "chat/completions"

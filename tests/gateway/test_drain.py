@@ -1,6 +1,6 @@
 """SIGTERM drains the gateway as it does a server: readiness turns 503, new requests get OpenAI's 503, the
-stream in flight is relayed to its end, then the gateway exits 0. Its own gateway in front of the session
-server, since the test ends it."""
+stream in flight is relayed to its end (or, past --drain-timeout, ends with an error event), then the gateway
+exits 0. Each test has a gateway of its own, since it ends it."""
 
 from __future__ import annotations
 
@@ -43,3 +43,29 @@ def test_sigterm_drains_then_exits_zero(server, tmp_path):
         assert gateway.process.wait(30) == 0
     finally:
         gateway.stop()
+
+
+def test_streams_past_the_drain_timeout_end_with_an_error_event(stand_in, tmp_path):
+    """A stream that outlasts --drain-timeout ends with OpenAI's error event and [DONE] when the timeout passes
+    (it was cut with no event: the client got an incomplete chunked read), then the gateway exits 0."""
+    stand_in.control(chunks=1000, delay=0.05)  # a 50 s stream
+    config = {"backends": [{"name": "edge", "url": stand_in.base_url, "models": ["echo"]}], "health": HEALTH}
+    gateway = GatewayProcess(config, tmp_path, "--drain-timeout", "1")
+    try:
+        body = {"model": "echo", "prompt": "hi", "stream": True}
+        with httpx.stream("POST", f"{gateway.base_url}/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            events = [next(lines)]  # the stream is under way
+            gateway.terminate()
+            started = time.monotonic()
+            events += [line for line in lines if line]
+        assert 1 <= time.monotonic() - started < 5
+        assert len(events) > 5  # it was relayed during the drain
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert error["code"] == 503 and error["type"] == "ServiceUnavailableError"
+        assert "drain timeout" in error["message"]
+        assert gateway.process.wait(30) == 0
+    finally:
+        gateway.stop()
+        stand_in.control(chunks=5, delay=0.0)

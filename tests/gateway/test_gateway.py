@@ -148,6 +148,21 @@ def test_5xx_is_retried_and_opens_the_breaker(gateway, stand_in):
     assert complete(gateway, "echo").status_code == 200
 
 
+def test_429_reaches_the_client_with_retry_after(gateway, stand_in):
+    """A back end's 429 comes back with its Retry-After, or the gateway's (1 s) when it sent none, so that clients
+    know when to retry (it came without one)."""
+    stand_in.control(mode="busy", retry_after="7")
+    try:
+        relayed = complete(gateway, "echo")
+        assert relayed.status_code == 429 and relayed.headers["retry-after"] == "7"
+        assert relayed.json()["error"]["type"] == "RateLimitError"
+        stand_in.control(retry_after=None)
+        added = complete(gateway, "echo")
+        assert added.status_code == 429 and added.headers["retry-after"] == "1"
+    finally:
+        stand_in.control(mode="ok", retry_after=None)
+
+
 def test_api_keys(tiny_servers, stand_in, tmp_path):
     config = gateway_config(tiny_servers, stand_in)
     config["api_keys"] = [{"key": "k1"}, {"key": "k2", "service_class": "edge"}]

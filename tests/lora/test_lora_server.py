@@ -142,6 +142,11 @@ def test_load_and_unload_at_run_time(lora_server, tokenized_base):
         ({"lora_name": "x", "lora_path": "/tmp", "lora_rank": 4}, "lora_rank"),  # an unknown field
         ({"lora_name": BASE, "lora_path": "/tmp"}, "the base model's name"),
         ({"lora_name": "nowhere", "lora_path": "/nonexistent/adapter"}, "is not a folder"),
+        ({"lora_name": "empty", "lora_path": ""}, "lora_path: String should have at least 1 character"),
+        ({"lora_name": "long", "lora_path": "/a" * 2500}, "lora_path: String should have at most 4096 characters"),
+        ({"lora_name": "long-part", "lora_path": "/" + "a" * 300}, "lora_path cannot be read: File name too long"),
+        ({"lora_name": "", "lora_path": "/tmp"}, "lora_name: String should have at least 1 character"),
+        ({"lora_name": "n" * 300, "lora_path": "/tmp"}, "lora_name: String should have at most 256 characters"),
     ],
 )
 def test_bad_loads_are_refused_naming_the_problem(lora_server, body, message):

@@ -8,6 +8,7 @@ from tests.pooling.tiny_pooling_models import (
     TinyPoolingModel,
     build_bert_cross_encoder,
     build_bert_embedder,
+    build_chat_embedder,
     build_qwen3_embedder,
     build_xlmr_cross_encoder,
 )
@@ -31,3 +32,8 @@ def bert_cross_encoder(tmp_path_factory) -> TinyPoolingModel:
 @pytest.fixture(scope="session")
 def qwen3_embedder(tmp_path_factory) -> TinyPoolingModel:
     return build_qwen3_embedder(tmp_path_factory.mktemp("pooling") / "qwen3_embedder")
+
+
+@pytest.fixture(scope="session")
+def chat_embedder(tmp_path_factory) -> TinyPoolingModel:
+    return build_chat_embedder(tmp_path_factory.mktemp("pooling") / "chat_embedder")

@@ -70,6 +70,29 @@ def test_embeddings_match_sentence_transformers(name, request):
     assert torch.allclose(ours.norm(dim=1), torch.ones(len(texts)), atol=1e-5)
 
 
+def test_chat_template_embedder_matches_sentence_transformers(chat_embedder):
+    """sentence-transformers 6 saved this decoder embedder with a "message" modality (its tokenizer has a chat
+    template), so `encode` renders each text as a user message through the template: LLM.embed must too, whole
+    and truncated (where the template's closing tokens are put back)."""
+    modalities = json.loads((chat_embedder.folder / "sentence_bert_config.json").read_text())["modality_config"]
+    assert "message" in modalities
+    texts = sample_texts(3, 12)
+    st = SentenceTransformer(str(chat_embedder.folder), device="cpu")
+    reference = st.encode(texts, convert_to_tensor=True)
+    st.max_seq_length = 8
+    truncated_reference = st.encode(texts, convert_to_tensor=True)
+    llm = LLM(str(chat_embedder.folder))
+    try:
+        ours = embeddings(llm, texts)
+        truncated = embeddings(llm, texts, truncate_prompt_tokens=8)
+    finally:
+        llm.shutdown()
+    whole, cut = cosines(ours, reference).min(), cosines(truncated, truncated_reference).min()
+    print(f"chat_embedder: min cosine {whole:.8f}, truncated to 8 tokens {cut:.8f}")
+    assert spread(reference) < 0.98
+    assert whole >= COSINE and cut >= COSINE
+
+
 def test_mixed_length_batch_equals_one_at_a_time(bert_llm):
     texts = sample_texts(5, 10, min_words=1, max_words=60)
     together = embeddings(bert_llm, texts)

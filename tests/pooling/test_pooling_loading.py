@@ -16,8 +16,9 @@ from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassificati
 from heteroserve.config import ModelConfig
 from heteroserve.distributed.parallel_state import ParallelGroups
 from heteroserve.model.encoder import EncoderModel
-from heteroserve.model.layers.pooler import PoolerSpec
+from heteroserve.model.layers.pooler import ChatTemplateInput, PoolerSpec
 from heteroserve.model.loader import LoadedModel, load_model
+from heteroserve.model.loader.pooling_checkpoint import read_sentence_transformers
 from heteroserve.platforms import resolve_platform
 from heteroserve.pooling_params import PoolingParams
 from tests.model.tiny_models import COMMON, save_tiny
@@ -221,3 +222,60 @@ def test_quantised_encoder_checkpoint_is_refused(bert_embedder, tmp_path):
     edit_json(folder / "config.json", quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 32})
     with pytest.raises(ValueError, match="quantised encoder checkpoints are not supported"):
         load(folder)
+
+
+MESSAGE = {"method": "forward", "method_output_name": "last_hidden_state", "format": "flat"}
+
+
+@pytest.mark.parametrize(
+    ("file", "values", "named"),
+    [
+        ("sentence_bert_config.json", {"pooling_window": 3}, r"unknown key\(s\) pooling_window"),
+        ("sentence_bert_config.json", {"transformer_task": "fill-mask"}, "transformer_task 'fill-mask'"),
+        ("sentence_bert_config.json", {"module_output_name": "sentence_embedding"}, "module_output_name"),
+        (
+            "sentence_bert_config.json",
+            {"modality_config": {"message": {**MESSAGE, "format": "auto"}}},
+            "modality_config.message.format 'auto'",
+        ),
+        (
+            "sentence_bert_config.json",
+            {"modality_config": {"text": {**MESSAGE, "method": "get_text_features"}}},
+            "modality_config.text reads 'get_text_features'",
+        ),
+        ("sentence_bert_config.json", {"processing_kwargs": {"text": {"max_length": 5}}}, "processing_kwargs text"),
+        (
+            "sentence_bert_config.json",
+            {"processing_kwargs": {"chat_template": {"truncation": True}}},
+            "processing_kwargs.chat_template truncation",
+        ),
+        ("sentence_bert_config.json", {"do_lower_case": True}, "do_lower_case with a message modality"),
+        ("sentence_bert_config.json", {"query_length": 32}, "query_length"),
+        ("sentence_bert_config.json", {"processor_kwargs": {"add_eos_token": True}}, "processor_kwargs add_eos_token"),
+        ("config_sentence_transformers.json", {"truncate_dim": 32}, "truncate_dim"),
+        ("config_sentence_transformers.json", {"default_prompt_name": "passage"}, "default_prompt_name 'passage'"),
+    ],
+)
+def test_sentence_transformers_settings_not_computed_are_refused(chat_embedder, tmp_path, file, values, named):
+    """What would make our tokens or embeddings differ from sentence-transformers' is refused by name."""
+    folder = copy_of(chat_embedder, tmp_path)
+    edit_json(folder / file, **values)
+    with pytest.raises(ValueError, match=named):
+        read_sentence_transformers(folder)
+
+
+def test_sentence_transformers_settings_read_or_reported(chat_embedder, tmp_path):
+    """Settings without effect on what the engine computes load; those it leaves aside are logged."""
+    folder = copy_of(chat_embedder, tmp_path)
+    edit_json(
+        folder / "sentence_bert_config.json",
+        unpad_inputs=False,
+        tokenizer_args={"padding_side": "left", "trust_remote_code": True},
+        processing_kwargs={"chat_template": {"add_generation_prompt": True, "restore_suffix": False}},
+    )
+    edit_json(folder / "config_sentence_transformers.json", similarity_fn_name="dot", card_notes="x")
+    st = read_sentence_transformers(folder)
+    expected = ChatTemplateInput(False, template_kwargs={"add_generation_prompt": True}, restore_suffix=False)
+    assert st.transformer.chat_template == expected
+    similarity, unknown = st.notes
+    assert "similarity_fn_name 'dot' is not used" in similarity and "unknown key(s) card_notes" in unknown

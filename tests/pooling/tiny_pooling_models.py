@@ -35,6 +35,11 @@ TOKENIZER_VOCAB = 320
 ENCODER_MAX_POSITIONS = 128
 MATRYOSHKA_DIMENSIONS = [16, 32, 64]
 QWEN3_PROMPTS = {"query": "Instruct: Given a question, retrieve passages that answer it\nQuery: ", "document": ""}
+# ChatML, as Qwen's chat models write turns; roles other than system / user / assistant pass through as they are.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 _COMMON_WORDS = (
     "the a of and to in is was for on that with as by at from it be this are have or an they which one you were all "
@@ -129,6 +134,14 @@ def qwen_tokenizer() -> Qwen2Tokenizer:
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
         single=f"$A {eos}", pair=f"$A {eos} $B:1 {eos}:1", special_tokens=[(eos, eos_id)]
     )
+    return tokenizer
+
+
+def chat_qwen_tokenizer() -> Qwen2Tokenizer:
+    """qwen_tokenizer with ChatML's <|im_start|> / <|im_end|> markers and chat template."""
+    tokenizer = qwen_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
 
 
@@ -290,10 +303,51 @@ def build_bert_cross_encoder(folder: Path, seed: int = 12) -> TinyPoolingModel:
     return _cross_encoder("bert_cross_encoder", folder)
 
 
+def build_chat_cross_encoder(folder: Path, seed: int = 17) -> TinyPoolingModel:
+    """A Qwen3ForSequenceClassification reranker with one label and a ChatML chat template, saved by
+    sentence-transformers 6's CrossEncoder: `predict` renders a pair as a "query" and a "document" message."""
+    tokenizer = chat_qwen_tokenizer()
+    model_type, overrides = SPECS["qwen3"]
+    config = AutoConfig.for_model(
+        model_type,
+        **{
+            **COMMON,
+            **overrides,
+            "vocab_size": len(tokenizer),
+            "num_labels": 1,
+            "pad_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+        },
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    randomize_encoder(model, seed)
+    _save_cross_encoder(model, tokenizer, folder)
+    return TinyPoolingModel(
+        "chat_cross_encoder",
+        folder,
+        task="score",
+        pooling_type="LAST",
+        normalize=False,
+        embedding_size=COMMON["hidden_size"],
+        max_model_len=COMMON["max_position_embeddings"],
+        num_labels=1,
+    )
+
+
 def build_qwen3_embedder(folder: Path, seed: int = 15) -> TinyPoolingModel:
     """A tiny Qwen3 decoder saved as Qwen3-Embedding is: sentence-transformers with last-token pooling and
     Normalize, the Qwen3Model weights without the "model." prefix and no lm_head, named query/document prompts."""
-    tokenizer = qwen_tokenizer()
+    return _qwen3_embedder("qwen3_embedder", folder, seed, qwen_tokenizer())
+
+
+def build_chat_embedder(folder: Path, seed: int = 16) -> TinyPoolingModel:
+    """build_qwen3_embedder's model with a ChatML chat template, saved by sentence-transformers 6: its
+    sentence_bert_config.json has a "message" modality, so `encode` renders each text through the template."""
+    return _qwen3_embedder("chat_embedder", folder, seed, chat_qwen_tokenizer())
+
+
+def _qwen3_embedder(name: str, folder: Path, seed: int, tokenizer: Qwen2Tokenizer) -> TinyPoolingModel:
     model_type, overrides = SPECS["qwen3"]
     config = AutoConfig.for_model(
         model_type,
@@ -308,7 +362,7 @@ def build_qwen3_embedder(folder: Path, seed: int = 15) -> TinyPoolingModel:
             Path(hf_folder), folder, "lasttoken", COMMON["max_position_embeddings"], prompts=QWEN3_PROMPTS
         )
     return TinyPoolingModel(
-        "qwen3_embedder",
+        name,
         folder,
         task="embed",
         pooling_type="LAST",
@@ -324,4 +378,6 @@ BUILDERS = {
     "xlmr_cross_encoder": build_xlmr_cross_encoder,
     "bert_cross_encoder": build_bert_cross_encoder,
     "qwen3_embedder": build_qwen3_embedder,
+    "chat_embedder": build_chat_embedder,
+    "chat_cross_encoder": build_chat_cross_encoder,
 }

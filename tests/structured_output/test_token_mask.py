@@ -5,6 +5,7 @@ package's partial matching (an engine independent of llguidance)."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import jsonschema
@@ -15,11 +16,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from heteroserve.config import REASONING_FORMATS
 from heteroserve.model.layers.sampler import SamplingRow, apply_token_bitmasks
 from heteroserve.sampling_params import SamplingParams
 from heteroserve.structured_output import StructuredOutputsParams
+from heteroserve.structured_output.ascii_classes import ascii_regex, ascii_schema
 from heteroserve.structured_output.grammar_compiler import GrammarCompiler
 from heteroserve.structured_output.manager import StructuredOutputManager
+from heteroserve.structured_output.reasoning_markers import ReasoningMarkers, reasoning_markers
 
 EOS = 2  # <|im_end|>, the default model's eos
 PATTERN = (
@@ -111,15 +115,137 @@ def test_json_sampled_under_a_schema_validates(compiler, default_tokenizer, choi
             jsonschema.validate(json.loads(default_tokenizer.decode(tokens)), SCHEMA)
 
 
+def markers(tokenizer, start: bool) -> ReasoningMarkers:
+    encode = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    return ReasoningMarkers(encode("<think>") if start else None, encode("</think>"))
+
+
+def opens_json(tokenizer, mask: np.ndarray) -> bool:
+    return all(tokenizer.decode([t]).startswith("{") for t in allowed_ids(mask, len(tokenizer)))
+
+
 def test_the_grammar_starts_after_the_reasoning(compiler, default_tokenizer):
     manager = StructuredOutputManager(compiler)
-    marker = default_tokenizer.encode("</think>", add_special_tokens=False)
-    manager.add("r", compiler.grammar(StructuredOutputsParams(json=SCHEMA)), reasoning_end=marker)
+    manager.add("r", compiler.grammar(StructuredOutputsParams(json=SCHEMA)), markers(default_tokenizer, False))
     manager.advance("r", default_tokenizer.encode("<think>I should answer in JSON", add_special_tokens=False))
     assert manager.bitmasks(["r"]) == {}  # still reasoning: free text
-    manager.advance("r", marker)
-    first = allowed_ids(manager.bitmasks(["r"])["r"], len(default_tokenizer))
-    assert first.size and all(default_tokenizer.decode([t]).startswith("{") for t in first)
+    manager.advance("r", list(markers(default_tokenizer, False).end))
+    assert opens_json(default_tokenizer, manager.bitmasks(["r"])["r"])
+
+
+def test_an_output_that_does_not_open_with_think_is_the_answer_from_its_first_token(compiler, default_tokenizer):
+    """Qwen3's format: the first token is the grammar's or the start of `<think>`; writing the whole marker
+    starts free reasoning, anything else is the answer, already under the grammar."""
+    start = markers(default_tokenizer, True).start
+    grammar = compiler.grammar(StructuredOutputsParams(json=SCHEMA))
+    manager = StructuredOutputManager(compiler)
+    manager.add("answer", grammar, markers(default_tokenizer, True))
+    manager.add("think", grammar, markers(default_tokenizer, True))
+    first = manager.bitmasks(["answer", "think"])
+    for mask in first.values():
+        allowed = allowed_ids(mask, len(default_tokenizer))
+        assert start[0] in allowed
+        assert {default_tokenizer.decode([t])[0] for t in allowed} == {"{", "<"}
+    manager.advance("answer", default_tokenizer.encode('{"', add_special_tokens=False))
+    after = {
+        default_tokenizer.decode([t])
+        for t in allowed_ids(manager.bitmasks(["answer"])["answer"], len(default_tokenizer))
+    }
+    assert "name" in after and "<" not in after  # the answer's JSON goes on, no marker any more
+    manager.advance("think", list(start))
+    manager.advance("think", default_tokenizer.encode("free text { } [", add_special_tokens=False))
+    assert manager.bitmasks(["think"]) == {}
+    manager.advance("think", list(markers(default_tokenizer, True).end))
+    assert opens_json(default_tokenizer, manager.bitmasks(["think"])["think"])
+
+
+@pytest.fixture(scope="module")
+def thinking_tokenizer(default_tokenizer):
+    """The default tokenizer with `<think>` and `</think>` as tokens of their own, as a thinking model's has."""
+    tokenizer = copy.deepcopy(default_tokenizer)
+    tokenizer.add_tokens(["<think>", "</think>"], special_tokens=False)
+    return tokenizer
+
+
+@pytest.mark.parametrize(
+    "parser, prompt, thinking_tokens, expected",
+    [
+        ("qwen3", "<|im_start|>assistant\n", True, "may open"),
+        ("qwen3", "<|im_start|>assistant\n", False, "answer"),  # `<think>` in pieces: a model that does not think
+        ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", True, "answer"),  # enable_thinking=False
+        ("qwen3", "<|im_start|>assistant\n<think>\n", True, "reasoning"),  # the prompt opens the reasoning
+        ("deepseek_r1", "<｜Assistant｜>", True, "reasoning"),
+        ("deepseek_r1", "<｜Assistant｜>", False, "reasoning"),
+    ],
+)
+def test_where_the_answer_begins(default_tokenizer, thinking_tokenizer, parser, prompt, thinking_tokens, expected):
+    tokenizer = thinking_tokenizer if thinking_tokens else default_tokenizer
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    found = reasoning_markers(REASONING_FORMATS[parser], prompt, encode)
+    end = tuple(encode("</think>"))
+    assert (
+        found
+        == {
+            "answer": None,
+            "reasoning": ReasoningMarkers(None, end),
+            "may open": ReasoningMarkers(tuple(encode("<think>")), end),
+        }[expected]
+    )
+    if expected == "may open":
+        assert len(found.start) == len(found.end) == 1
+
+
+def test_a_token_the_grammar_refuses_ends_the_request_with_an_error(compiler, default_tokenizer):
+    manager = StructuredOutputManager(compiler)
+    manager.add("r", compiler.grammar(StructuredOutputsParams(json=SCHEMA)))
+    error = manager.advance("r", default_tokenizer.encode("Sure", add_special_tokens=False))
+    assert error is not None and "grammar failed" in error and "r" not in manager
+
+
+@pytest.mark.parametrize(
+    "written, ascii",
+    [
+        (r"\d{3}-\d{4}", "[0-9]{3}-[0-9]{4}"),
+        (r"[\d\s]+\W", "[[0-9][\\t\\n\\x0B\\x0C\\r ]]+[^0-9A-Za-z_]"),
+        (r"\\d\.\p{L}", r"\\d\.\p{L}"),  # an escaped backslash, an escaped dot and a Unicode class stay
+    ],
+)
+def test_class_escapes_become_ascii_classes(written, ascii):
+    assert ascii_regex(written) == ascii
+
+
+def test_schema_patterns_become_ascii_but_names_and_data_do_not():
+    schema = {
+        "properties": {"pattern": {"type": "string", "pattern": r"^\d+$"}},
+        "patternProperties": {r"^\w$": {"const": r"\d"}},
+        "$defs": {"A": {"items": [{"pattern": r"\s"}]}},
+    }
+    assert ascii_schema(schema) == {
+        "properties": {"pattern": {"type": "string", "pattern": "^[0-9]+$"}},
+        "patternProperties": {"^[0-9A-Za-z_]$": {"const": r"\d"}},
+        "$defs": {"A": {"items": [{"pattern": "[\\t\\n\\x0B\\x0C\\r ]"}]}},
+    }
+
+
+@pytest.mark.parametrize(
+    "unicode, ascii",
+    [
+        (StructuredOutputsParams(regex=r"\d"), StructuredOutputsParams(regex="[0-9]")),
+        (
+            StructuredOutputsParams(json={"type": "string", "pattern": r"^\w$"}),
+            StructuredOutputsParams(json={"type": "string", "pattern": "^[0-9A-Za-z_]$"}),
+        ),
+    ],
+)
+def test_regex_classes_allow_the_ascii_tokens_only(compiler, default_tokenizer, unicode, ascii):
+    """The default vocabulary has Unicode digits and letters (U+1FBF8 '🯸' is a decimal digit): `\\d` and `\\w`
+    allow exactly what their ASCII classes allow."""
+    masks = []
+    for params in (unicode, ascii):
+        manager = StructuredOutputManager(compiler)
+        manager.add("r", compiler.grammar(params))
+        masks.append(allowed_ids(manager.bitmasks(["r"])["r"], len(default_tokenizer)))
+    assert np.array_equal(masks[0], masks[1])
 
 
 @pytest.mark.parametrize(
@@ -128,6 +254,8 @@ def test_the_grammar_starts_after_the_reasoning(compiler, default_tokenizer):
         (StructuredOutputsParams(regex="[0-9"), "regex"),
         (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "no-such-type"}}}), "json"),
         (StructuredOutputsParams(grammar="start: undefined_rule"), "grammar"),
+        (StructuredOutputsParams(regex="a{1000000}"), "regex"),
+        (StructuredOutputsParams(json={"$ref": "#"}), "json"),
     ],
 )
 def test_bad_constraints_are_value_errors_naming_them(compiler, params, fragment):

@@ -98,6 +98,7 @@ def build_app(gateway: Gateway) -> FastAPI:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         async with httpx.AsyncClient(limits=limits) as client:
             app.state.proxy = Proxy(client, metrics)
+            state.at_drain_timeout.append(app.state.proxy.cut_off_streams)
             await check_all(list(gateway.router.backends.values()), client)
             checker = asyncio.create_task(_check_forever(gateway, client))
             loop = asyncio.get_running_loop()

@@ -1,6 +1,6 @@
 """Forwarding one request: retried on another back end while nothing has reached the client, then relayed
-chunk by chunk. A stream that breaks after that ends with an SSE error event, so the client can tell a
-broken answer from a finished one."""
+chunk by chunk. A stream that breaks after that, or that the SIGTERM drain's timeout cuts off, ends with an SSE
+error event and [DONE], so the client can tell a broken answer from a finished one."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+import anyio
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
@@ -15,14 +16,27 @@ from heteroserve.entrypoints.gateway.backends import Backend
 from heteroserve.entrypoints.gateway.config import GatewayConfig
 from heteroserve.entrypoints.gateway.metrics import GatewayMetrics
 from heteroserve.entrypoints.gateway.router import Router, Target
-from heteroserve.entrypoints.openai.errors import APIError
+from heteroserve.entrypoints.openai.errors import RETRY_AFTER_S, APIError
 
 _EVENT_END = b"\n\n"
+
+
+class _DrainTimedOut(Exception):
+    """The drain timeout passed while a relayed stream was still open."""
 
 
 class Proxy:
     def __init__(self, client: httpx.AsyncClient, metrics: GatewayMetrics) -> None:
         self.client, self.metrics = client, metrics
+        self.cut_off = False
+        self.reads: set[anyio.CancelScope] = set()  # the relayed streams' reads under way
+
+    def cut_off_streams(self) -> None:
+        """The drain timeout passed: every relayed stream ends with an error event, now if it is waiting for the
+        back end, else at its next read."""
+        self.cut_off = True
+        for read in self.reads:
+            read.cancel()
 
     async def forward(
         self, config: GatewayConfig, path: str, content: bytes, target: Target, request_id: str
@@ -83,16 +97,35 @@ class Proxy:
         """The back end's bytes as they come; the clean-up is `_Release`'s, since a generator that never
         starts (the client left before the first chunk) never runs its own."""
         tail = _EVENT_END
+        chunks = response.aiter_raw()
         try:
-            async for chunk in response.aiter_raw():
+            while True:
+                chunk = await self._next_chunk(chunks)
                 tail = (tail + chunk)[-2:]
                 yield chunk
+        except StopAsyncIteration:
+            return
+        except _DrainTimedOut:
+            error = APIError(503, "the gateway is shutting down: its drain timeout passed before the stream ended")
         except httpx.HTTPError as exc:
             backend.open(f"stream broke: {type(exc).__name__}")
             self.metrics.errors.labels(backend.name, "stream").inc()
-            error = APIError(502, f"back end {backend.name} broke off the stream: {type(exc).__name__}").body()
-            ending = b"" if tail == _EVENT_END else _EVENT_END  # close a half-sent event first
-            yield ending + f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+            error = APIError(502, f"back end {backend.name} broke off the stream: {type(exc).__name__}")
+        ending = b"" if tail == _EVENT_END else _EVENT_END  # close a half-sent event first
+        yield ending + f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
+
+    async def _next_chunk(self, chunks: AsyncIterator[bytes]) -> bytes:
+        """The back end's next bytes, read in a cancel scope that cut_off_streams cancels: raises
+        _DrainTimedOut once the drain timeout has passed, StopAsyncIteration at the stream's end."""
+        if self.cut_off:
+            raise _DrainTimedOut
+        with anyio.CancelScope() as read:
+            self.reads.add(read)
+            try:
+                return await anext(chunks)
+            finally:
+                self.reads.discard(read)
+        raise _DrainTimedOut  # reached only when the read was cancelled
 
 
 class _Release:
@@ -122,9 +155,9 @@ class _RelayResponse(StreamingResponse):
 
 
 def _answer(body: bytes, response: httpx.Response, backend: Backend) -> Response:
+    headers = {"X-Served-By": backend.name}
+    if response.status_code == 429:  # the back end's Retry-After, or ours for one that sends none
+        headers["Retry-After"] = response.headers.get("retry-after", str(RETRY_AFTER_S))
     return Response(
-        body,
-        status_code=response.status_code,
-        media_type=response.headers.get("content-type"),
-        headers={"X-Served-By": backend.name},
+        body, status_code=response.status_code, media_type=response.headers.get("content-type"), headers=headers
     )

@@ -245,7 +245,8 @@ def _add_generation_routes(
 
 class DrainingServer(uvicorn.Server):
     """On SIGTERM/SIGINT: readiness turns 503 and new requests are refused, in-flight ones finish
-    (bounded by the drain timeout), then uvicorn shuts down and the process exits 0."""
+    (bounded by the drain timeout, when the state's at_drain_timeout callbacks run), then uvicorn shuts down and
+    the process exits 0."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
         super().__init__(config)
@@ -266,6 +267,10 @@ class DrainingServer(uvicorn.Server):
         deadline = loop.time() + self.drain_timeout
         while self.state.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        if self.state.in_flight:
+            logger.warning("drain timeout: %d requests still in flight are cut off", self.state.in_flight)
+            for cut_off in self.state.at_drain_timeout:
+                cut_off()
         self.should_exit = True  # not handle_exit: uvicorn would re-raise the signal and the exit code be -15
 
 

@@ -4,10 +4,10 @@ transformers renders in a jinja2 sandbox, which keeps a template away from Pytho
 for minutes or build gigabytes, and a server renders in a thread that cannot be cancelled. This renderer gives
 templates the same sandbox, variables, filters and globals, and compiles checks into them: every loop iteration
 and every call checks the deadline; `*`, `+` and `**`, assignments, calls and the output are capped in size.
-The checks bound templates the operator trusts (the model's, --chat-template, a request's under
---trust-request-chat-template) against inputs that make them slow or huge. They do not make any template safe
-(a filter such as `center` still allocates its width at once), which is why request templates are refused by
-default.
+The checks bound templates the operator trusts (the model's, --chat-template) against inputs that make them slow
+or huge. They do not make any template safe (a filter such as `center` or a `%` format still allocates its width
+at once), which is why request templates are refused by default, and rendered in worker processes under a memory
+cap when trusted (template_workers.py). A rendering is a TemplateJob, plain data, so that a worker can take it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 from jinja2 import nodes
@@ -29,7 +29,9 @@ from jinja2.runtime import Context, Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 from jinja2.visitor import NodeTransformer
-from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # a worker process imports this module: it renders without transformers (seconds to import)
+    from transformers import PreTrainedTokenizerBase
 
 MAX_INT_BITS = 1 << 16  # far beyond any number a template prints (Python prints at most 4300 digits)
 # A long rendering pauses PAUSE_S every YIELD_INTERVAL_S so that waiting threads get the GIL: looping templates
@@ -235,6 +237,19 @@ def _compile(source: str) -> jinja2.Template:
     return _ENV.from_string(tree)
 
 
+@dataclass(frozen=True)
+class TemplateJob:
+    """One rendering: the template's source and everything it is given, all of it JSON (a worker process takes
+    it as it is). `variables` are the tokenizer's special tokens and the request's chat_template_kwargs."""
+
+    source: str
+    messages: list[dict]
+    variables: dict
+    tools: list[dict] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+
+
 class ChatTemplateRenderer:
     """A tokenizer's chat template (or one given instead) applied to a conversation, as transformers applies it:
     the same template choice, variables (the tokenizer's special tokens among them) and message preparation."""
@@ -244,42 +259,56 @@ class ChatTemplateRenderer:
         self.max_chars = max_chars
         self.special_tokens = dict(tokenizer.special_tokens_map)
 
-    def render(
+    def job(
         self,
         messages: list[dict],
-        timeout_s: float,
         chat_template: str | None = None,
         tools: list[dict] | None = None,
         add_generation_prompt: bool = False,
         continue_final_message: bool = False,
         variables: dict | None = None,
-    ) -> str:
-        """The prompt text. Raises TemplateTimeout past `timeout_s`, TemplateTooLarge past `max_chars`, and
-        ValueError or jinja2's errors for a template that cannot be applied."""
-        source = self.tokenizer.get_chat_template(chat_template, tools)
-        template = _compile(source)
-        chat = [_template_message(m) for m in messages]
-        final = _mark_final_message(chat, source) if continue_final_message else None
-        context = {
-            **self.special_tokens,
-            **(variables or {}),
-            "messages": chat,
-            "tools": tools,
-            "documents": None,
-            "add_generation_prompt": add_generation_prompt,
-        }
-        budget = _Budget(time.monotonic() + timeout_s, self.max_chars)
-        token = _budget.set(budget)
-        try:
-            pieces, size = [], 0
-            for piece in template.generate(context):
-                size += len(piece)
-                budget.check(size, "an output")
-                pieces.append(piece)
-        finally:
-            _budget.reset(token)
-        text = "".join(pieces)
-        return text if final is None else _cut_at_mark(text, final)
+    ) -> TemplateJob:
+        """The rendering of `messages` with `chat_template` (default: the tokenizer's, chosen as transformers
+        chooses it, by `tools` too)."""
+        return TemplateJob(
+            self.tokenizer.get_chat_template(chat_template, tools),
+            messages,
+            {**self.special_tokens, **(variables or {})},
+            tools,
+            add_generation_prompt,
+            continue_final_message,
+        )
+
+    def render(self, job: TemplateJob, timeout_s: float) -> str:
+        """The prompt text, rendered in this thread (see render_job)."""
+        return render_job(job, timeout_s, self.max_chars)
+
+
+def render_job(job: TemplateJob, timeout_s: float, max_chars: int) -> str:
+    """The prompt text. Raises TemplateTimeout past `timeout_s`, TemplateTooLarge past `max_chars`, and
+    ValueError or jinja2's errors for a template that cannot be applied."""
+    template = _compile(job.source)
+    chat = [_template_message(m) for m in job.messages]
+    final = _mark_final_message(chat, job.source) if job.continue_final_message else None
+    context = {
+        **job.variables,
+        "messages": chat,
+        "tools": job.tools,
+        "documents": None,
+        "add_generation_prompt": job.add_generation_prompt,
+    }
+    budget = _Budget(time.monotonic() + timeout_s, max_chars)
+    token = _budget.set(budget)
+    try:
+        pieces, size = [], 0
+        for piece in template.generate(context):
+            size += len(piece)
+            budget.check(size, "an output")
+            pieces.append(piece)
+    finally:
+        _budget.reset(token)
+    text = "".join(pieces)
+    return text if final is None else _cut_at_mark(text, final)
 
 
 def max_prompt_chars(tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> int:

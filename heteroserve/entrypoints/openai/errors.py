@@ -16,6 +16,9 @@ _TYPES = {
     502: "InternalServerError",  # a back end failed the gateway; OpenAI's client raises InternalServerError for it
     503: "ServiceUnavailableError",
 }
+# What a 429's Retry-After asks for: a waiting place frees as soon as the engine schedules a request (steps take
+# milliseconds), so a second later is a fair first retry; clients back off further on their own.
+RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
@@ -29,4 +32,5 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.status}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)

@@ -33,6 +33,9 @@ class ServerState:
         self.ready = False
         self.draining = False
         self.in_flight = 0
+        # Called when the drain timeout passes with requests in flight, so that streams can end with an error
+        # event before the connections close.
+        self.at_drain_timeout: list[Callable[[], None]] = []
 
 
 class Gate:

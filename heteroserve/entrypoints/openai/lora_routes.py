@@ -8,17 +8,20 @@ import asyncio
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from heteroserve.engine.async_engine import AsyncLLMEngine
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.serving import ServerSettings
 
+MAX_LORA_NAME_CHARS = 256  # a name is a model name in requests and /v1/models
+MAX_LORA_PATH_CHARS = 4096  # Linux's PATH_MAX
+
 
 class LoadLoRAAdapterRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    lora_name: str
-    lora_path: str
+    lora_name: str = Field(min_length=1, max_length=MAX_LORA_NAME_CHARS)
+    lora_path: str = Field(min_length=1, max_length=MAX_LORA_PATH_CHARS)
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
@@ -55,6 +58,9 @@ def add_lora_routes(
             modules.add(lora)
         except ValueError as exc:
             raise APIError(400, str(exc), "lora_path") from exc
+        except OSError as exc:  # a path the system refuses to look up (a name too long, no permission)
+            message = f"LoRA adapter {name!r}: lora_path cannot be read: {exc.strerror}"
+            raise APIError(400, message, "lora_path") from exc
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", responses=responses)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import re
 
+from heteroserve.config import REASONING_FORMATS
 from heteroserve.entrypoints.openai.tool_parsers.stream_text import Trimmer, partial_marker_len
 
-START, END = "<think>", "</think>"
-_START = re.compile(r"\s*<think>")
+START, END = REASONING_FORMATS["qwen3"].start, REASONING_FORMATS["qwen3"].end
+_START = re.compile(r"\s*" + re.escape(START))
 
 
 class ReasoningParser:
@@ -53,12 +54,14 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     """DeepSeek-R1: its chat template ends the prompt with `<think>`, so the output starts inside the reasoning (a
     `<think>` it writes anyway is dropped) and is all reasoning until `</think>`, as vLLM's deepseek_r1 parser."""
 
-    starts_in_reasoning = True
+    starts_in_reasoning = REASONING_FORMATS["deepseek_r1"].starts_in_reasoning
 
 
 class Qwen3ReasoningParser(ReasoningParser):
     """Qwen3: the output reasons only inside the `<think>...</think>` it starts with; with `enable_thinking: false`
     it writes none (or an empty one), and an output without one is all content."""
+
+    starts_in_reasoning = REASONING_FORMATS["qwen3"].starts_in_reasoning
 
 
 class ReasoningStream:

@@ -189,14 +189,19 @@ class OpenAIServing:
     async def rest(
         self, first: RequestOutput, stream: AsyncIterator[RequestOutput], deadline: float | None
     ) -> AsyncIterator[RequestOutput]:
-        yield first
         output = first
-        while not output.finished:
+        while True:
+            failed = next((c for c in output.outputs if c.finish_reason == "error"), None)
+            if failed is not None:  # the client's constraint could not be enforced: a 4xx, not the back end's fault
+                self.metrics.observe_aborted("grammar_error")
+                raise APIError(400, f"choice {failed.index}: {failed.error}; the request ended there")
+            yield output
+            if output.finished:
+                return
             try:
                 output = await self._next(stream, deadline)
             except EngineDeadError as exc:
                 raise self.engine_failed(exc) from exc
-            yield output
 
     def engine_failed(self, error: EngineDeadError) -> APIError:
         """The 500 of a request the engine failed under, counted as an abort by engine error."""

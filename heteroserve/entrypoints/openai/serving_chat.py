@@ -39,12 +39,8 @@ from heteroserve.entrypoints.openai.serving import (
     sse,
     usage,
 )
-from heteroserve.entrypoints.openai.tools import (
-    arguments_schema,
-    named_function,
-    required_calls_schema,
-    template_tool_calls,
-)
+from heteroserve.entrypoints.openai.template_workers import TemplateWorkers
+from heteroserve.entrypoints.openai.tools import forced_calls_params, named_function, template_tool_calls
 from heteroserve.metrics.prometheus import ServerMetrics
 from heteroserve.multimodal.chat import split_images
 from heteroserve.multimodal.media import ImageError
@@ -111,7 +107,8 @@ def template_options(request: ChatCompletionRequest) -> dict:
 
 # Compiling a template cannot be interrupted (~1 s for 64 KiB of dense Jinja); models' own templates are < 20 KB.
 MAX_REQUEST_TEMPLATE_CHARS = 64 * 1024
-REQUEST_TEMPLATE_THREADS = 2  # renderings are Python under the GIL: more threads would not render more
+# Request templates render in this many worker processes, each waited on by a thread of its own.
+REQUEST_TEMPLATE_WORKERS = 2
 
 
 class ServingChat(OpenAIServing):
@@ -122,12 +119,14 @@ class ServingChat(OpenAIServing):
         self.templates = None
         if self.tokenizer is not None:
             self.templates = ChatTemplateRenderer(self.tokenizer, max_prompt_chars(self.tokenizer, self.max_model_len))
-        # Requests' own templates render in threads of their own, so that slow ones never hold up the others.
-        self.request_template_threads = None
-        if self.settings.trust_request_chat_template:
+        # Requests' own templates render in worker processes (a memory cap, killed at the deadline), waited on in
+        # threads of their own, so that slow ones never hold up the others.
+        self.request_template_threads = self.request_template_workers = None
+        if self.settings.trust_request_chat_template and self.templates is not None:
             self.request_template_threads = ThreadPoolExecutor(
-                max_workers=REQUEST_TEMPLATE_THREADS, thread_name_prefix="request-templates"
+                max_workers=REQUEST_TEMPLATE_WORKERS, thread_name_prefix="request-templates"
             )
+            self.request_template_workers = TemplateWorkers(REQUEST_TEMPLATE_WORKERS, self.templates.max_chars)
 
     async def render_in_thread(
         self, request: ChatCompletionRequest, deadline: float | None = None
@@ -169,14 +168,12 @@ class ServingChat(OpenAIServing):
         # What a rendering too slow or too large is blamed on: the request's template, or its messages.
         param = "chat_template" if request.chat_template is not None else "messages"
         subject = "chat_template" if request.chat_template is not None else "the chat template, applied to messages,"
+        renderer = self.request_template_workers if request.chat_template is not None else self.templates
         try:
-            text = self.templates.render(
-                messages,
-                (deadline if by_request else template_deadline) - time.monotonic(),
-                chat_template=request.chat_template or self.settings.chat_template,
-                tools=tools,
-                **options,
+            job = self.templates.job(
+                messages, chat_template=request.chat_template or self.settings.chat_template, tools=tools, **options
             )
+            text = renderer.render(job, (deadline if by_request else template_deadline) - time.monotonic())
         except TemplateTimeout as exc:
             if by_request:
                 raise self.timed_out() from exc
@@ -249,12 +246,9 @@ class ServingChat(OpenAIServing):
                 )
             return functools.partial(AutoCallsOutput, parser, request.parallel_tool_calls), None
         if choice == "required":
-            schema = required_calls_schema(request.tools, request.parallel_tool_calls)
-            return RequiredCallsOutput, StructuredOutputsParams(json=schema)
-        tool = named_function(request.tools, choice)
-        return functools.partial(NamedCallOutput, tool.function.name), StructuredOutputsParams(
-            json=arguments_schema(tool)
-        )
+            return RequiredCallsOutput, forced_calls_params(request.tools, choice, request.parallel_tool_calls)
+        name = named_function(request.tools, choice).function.name
+        return functools.partial(NamedCallOutput, name), forced_calls_params(request.tools, choice, False)
 
     async def create(self, request: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         deadline = self.deadline()
@@ -350,14 +344,12 @@ class ServingChat(OpenAIServing):
                     logprobs = chat_logprobs(completion, top)
                     for piece in pieces[:-1]:
                         yield choice(completion.index, piece)
-                    if pieces or completion.token_ids or completion.finish_reason:
-                        # The last piece carries the step's logprobs and the finish reason.
-                        yield choice(
-                            completion.index,
-                            pieces[-1] if pieces else {},
-                            logprobs,
-                            deltas.finish_reason(completion.finish_reason),
-                        )
+                    if pieces or completion.token_ids:  # the last piece carries the step's logprobs
+                        yield choice(completion.index, pieces[-1] if pieces else {}, logprobs)
+                    if completion.finish_reason is not None:
+                        # In a chunk of its own, as OpenAI sends it: clients close the message (a tool call's
+                        # `arguments.done`) on the chunk before.
+                        yield choice(completion.index, {}, None, deltas.finish_reason(completion.finish_reason))
             answered = True
             if request.stream_options and request.stream_options.include_usage:
                 generated = sum(counts.values())

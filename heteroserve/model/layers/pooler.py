@@ -12,6 +12,21 @@ from heteroserve.pooling_params import PoolingParams
 
 
 @dataclass(frozen=True)
+class ChatTemplateInput:
+    """A sentence-transformers 6 Transformer module with a "message" modality: each text reaches the model as a
+    user message rendered through the tokenizer's chat template (a cross-encoder's pair as a "query" and a
+    "document" message), and a prompt as a system message before it.
+
+    structured: message content as [{"type": "text", "text": ...}] rather than the bare string ("flat").
+    template_kwargs: processing_kwargs["chat_template"], passed to apply_chat_template (add_generation_prompt, ...).
+    restore_suffix: after truncation, the template's closing tokens are written back over the last ones."""
+
+    structured: bool
+    template_kwargs: dict[str, object] = field(default_factory=dict)
+    restore_suffix: bool = True
+
+
+@dataclass(frozen=True)
 class PoolerSpec:
     """What the engine and the server need to know of a pooling model (the worker holds the weights).
 
@@ -23,7 +38,11 @@ class PoolerSpec:
     num_labels: the classifier head's outputs ("score" models). activation: what turns them into a score
     ("sigmoid" or "identity", sentence-transformers' CrossEncoder activation_fn).
     prompts: sentence-transformers' named instruction prefixes (config_sentence_transformers.json "prompts").
-    lowercase: texts are lowercased before tokenizing (sentence_bert_config.json's do_lower_case)."""
+    default_prompt: the prompt sentence-transformers applies to every text when none is named (its
+    default_prompt_name), None for none.
+    lowercase: texts are lowercased before tokenizing (sentence_bert_config.json's do_lower_case).
+    chat_template: how texts go through the chat template (sentence_bert_config.json's modality_config.message);
+    None: texts are tokenized as they are."""
 
     task: str
     pooling_type: str
@@ -33,7 +52,9 @@ class PoolerSpec:
     num_labels: int = 0
     activation: str = "identity"
     prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt: str | None = None
     lowercase: bool = False
+    chat_template: ChatTemplateInput | None = None
 
     def check(self, params: PoolingParams) -> None:
         """ValueError naming what a request asks that this model cannot do."""

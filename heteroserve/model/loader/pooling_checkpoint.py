@@ -1,13 +1,16 @@
 """What a pooling checkpoint says about itself: its task, its pooling, its Dense layers, its prompts.
 
 A sentence-transformers folder describes its pipeline in modules.json (Transformer -> Pooling -> Dense ... ->
-Normalize) with each module's config in its own folder; a cross-encoder names its activation. Anything this engine
-does not compute the way sentence-transformers does is refused by name rather than approximated.
+Normalize) with each module's config in its own folder (the Transformer's: transformer_module.py); a cross-encoder
+names its activation. Anything this engine does not compute the way sentence-transformers does is refused by name
+rather than approximated; what it leaves aside without changing its results (similarity_fn_name, keys it does not
+know in config_sentence_transformers.json) is logged.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +22,9 @@ from transformers import PretrainedConfig
 from heteroserve.config import ModelConfig
 from heteroserve.model.encoder import ENCODER_TYPES
 from heteroserve.model.layers.pooler import ACTIVATIONS, ClassifierHead, DenseLayer, Pooler, PoolerSpec
+from heteroserve.model.loader.transformer_module import TransformerModule, read_transformer_module
+
+logger = logging.getLogger(__name__)
 
 # sentence-transformers' pooling modes (1_Pooling/config.json) -> ours; the legacy boolean keys name them too.
 POOLING_MODES = {"cls": "CLS", "mean": "MEAN", "lasttoken": "LAST"}
@@ -31,6 +37,18 @@ _LEGACY_POOLING_KEYS = {
     "pooling_mode_lasttoken": "lasttoken",
 }
 _MODULE_KINDS = ("Transformer", "Pooling", "Dense", "Normalize")
+# The config_sentence_transformers.json keys the engine knows (read, without effect on it, or refused when set).
+_MODEL_CONFIG_KEYS = {
+    "__version__",
+    "model_type",
+    "prompts",
+    "default_prompt_name",
+    "activation_fn",
+    "similarity_fn_name",
+    "keep_in_fp32_modules",  # precision of some of a CrossEncoder's modules
+    "requirements",  # the package versions sentence-transformers checks before loading
+    "truncate_dim",  # refused when set
+}
 
 
 @dataclass
@@ -41,10 +59,11 @@ class SentenceTransformersConfig:
     dense: list[DenseLayer] = field(default_factory=list)
     normalize: bool = False
     prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt: str | None = None  # the prompt of default_prompt_name, applied to every text
     activation: str | None = None  # a CrossEncoder's activation_fn
-    max_seq_length: int | None = None
-    lowercase: bool = False  # sentence_bert_config.json's do_lower_case: texts are lowercased before tokenizing
+    transformer: TransformerModule = field(default_factory=TransformerModule)  # how texts become tokens
     cross_encoder: bool = False
+    notes: tuple[str, ...] = ()  # settings the engine leaves aside, logged when the pooler is built
 
 
 def read_sentence_transformers(folder: Path) -> SentenceTransformersConfig | None:
@@ -69,15 +88,47 @@ def read_sentence_transformers(folder: Path) -> SentenceTransformersConfig | Non
             st.dense.append(_dense_layer(path))
         elif kind == "Normalize":
             st.normalize = True
-    model_config = _read_optional_json(folder / "config_sentence_transformers.json")
+    model_config_file = folder / "config_sentence_transformers.json"
+    model_config = _read_optional_json(model_config_file)
     st.prompts = dict(model_config.get("prompts") or {})
+    st.default_prompt = _default_prompt(model_config, st.prompts, model_config_file)
     st.cross_encoder = model_config.get("model_type") == "CrossEncoder"
     if model_config.get("activation_fn"):
         st.activation = activation_name(model_config["activation_fn"])
-    transformer_config = _read_optional_json(folder / "sentence_bert_config.json")
-    st.max_seq_length = transformer_config.get("max_seq_length")
-    st.lowercase = bool(transformer_config.get("do_lower_case", False))
+    st.notes = _model_config_notes(model_config, model_config_file)
+    st.transformer = read_transformer_module(folder, st.cross_encoder)
     return st
+
+
+def _default_prompt(model_config: dict, prompts: dict[str, str], path: Path) -> str | None:
+    """The prompt sentence-transformers' encode and predict apply when none is named; None for none."""
+    name = model_config.get("default_prompt_name")
+    if name is None:
+        return None
+    if name not in prompts:
+        raise ValueError(f"{path}: default_prompt_name {name!r} is not one of its prompts ({', '.join(prompts)})")
+    return prompts[name] or None
+
+
+def _model_config_notes(model_config: dict, path: Path) -> tuple[str, ...]:
+    """What config_sentence_transformers.json asks that the engine leaves aside, as log lines; truncate_dim, which
+    changes every embedding, is refused."""
+    if model_config.get("truncate_dim") is not None:
+        raise ValueError(
+            f"{path}: truncate_dim is not supported (ask for `dimensions` per request: the engine cuts, then "
+            "normalises)"
+        )
+    notes = []
+    similarity = model_config.get("similarity_fn_name")
+    if similarity not in (None, "cosine"):
+        notes.append(
+            f"{path}: similarity_fn_name {similarity!r} is not used: scoring with this embedding model answers "
+            "cosine similarity, as vLLM's does"
+        )
+    unknown = sorted(set(model_config) - _MODEL_CONFIG_KEYS)
+    if unknown:
+        notes.append(f"{path}: unknown key(s) {', '.join(unknown)} are not read")
+    return tuple(notes)
 
 
 def _pooling_type(config: dict, path: Path) -> str:
@@ -166,8 +217,7 @@ def pooler_spec(
             embedding_size=hidden_size,
             num_labels=num_labels,
             activation=_score_activation(hf_config, st, num_labels),
-            prompts=st.prompts if st is not None else {},
-            lowercase=st is not None and st.lowercase,
+            **_input_settings(st),
         )
     return PoolerSpec(
         task="embed",
@@ -175,9 +225,20 @@ def pooler_spec(
         normalize=normalize,
         embedding_size=size,
         matryoshka_dimensions=_matryoshka(hf_config, size),
-        prompts=st.prompts if st is not None else {},
-        lowercase=st is not None and st.lowercase,
+        **_input_settings(st),
     )
+
+
+def _input_settings(st: SentenceTransformersConfig | None) -> dict:
+    """PoolerSpec's fields on how texts are tokenized, as sentence-transformers does."""
+    if st is None:
+        return {}
+    return {
+        "prompts": st.prompts,
+        "default_prompt": st.default_prompt,
+        "lowercase": st.transformer.lowercase,
+        "chat_template": st.transformer.chat_template,
+    }
 
 
 def build_pooler(
@@ -197,6 +258,8 @@ def build_pooler(
 
     num_labels = head.out.weight.shape[0] if head is not None else 0
     spec = pooler_spec(task, hf_config, st, config, hidden_size, num_labels)
+    for note in st.notes if st is not None else ():
+        logger.warning(note)
     dense = [on_device(layer) for layer in st.dense] if st is not None and task == "embed" else []
     if head is not None:
         head = ClassifierHead(on_device(head.out), None if head.dense is None else on_device(head.dense))
@@ -227,8 +290,8 @@ def decoder_score_head(score_head: dict) -> ClassifierHead:
 
 def default_max_model_len(st: SentenceTransformersConfig | None, positions: int) -> int:
     """The model's positions, or sentence-transformers' max_seq_length where it is shorter (what it truncates to)."""
-    if st is not None and st.max_seq_length:
-        return min(positions, st.max_seq_length)
+    if st is not None and st.transformer.max_seq_length:
+        return min(positions, st.transformer.max_seq_length)
     return positions
 
 
