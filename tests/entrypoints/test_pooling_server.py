@@ -15,7 +15,12 @@ from sentence_transformers import CrossEncoder, SentenceTransformer
 
 from tests.conftest import EMBEDDER
 from tests.entrypoints.server_process import ServerProcess
-from tests.pooling.tiny_pooling_models import build_bert_cross_encoder, sample_pairs, sample_texts
+from tests.pooling.tiny_pooling_models import (
+    build_bert_cross_encoder,
+    build_chat_embedder,
+    sample_pairs,
+    sample_texts,
+)
 
 COSINE = 0.99999
 SCORE_TOLERANCE = 1e-5  # a sigmoid score or a cosine, float32
@@ -303,3 +308,21 @@ def test_pooling_requests_and_tokens_are_counted(embedding_server, cross_encoder
     answer = post(process, "/rerank", {"query": "a", "documents": TEXTS[:2]}).json()
     tokens = answer["usage"]["prompt_tokens"]
     assert counts(process, "score", CROSS_ENCODER) == (before[0] + 2, before[1] + tokens, before[2] + tokens)
+
+
+def test_a_chat_template_embedder_embeds_what_sentence_transformers_6_embeds(tmp_path_factory):
+    """A decoder embedder saved by sentence-transformers 6 with a chat template ("message" modality): the server
+    renders each input through the template as `encode` does."""
+    model = build_chat_embedder(tmp_path_factory.mktemp("served") / "chat_embedder")
+    texts = sample_texts(4, 11)
+    reference = SentenceTransformer(str(model.folder), device="cpu").encode(texts, convert_to_tensor=True)
+    process = ServerProcess(
+        "--model", str(model.folder), "--served-model-name", "chat-embedder", env={"HETEROSERVE_NUM_THREADS": "1"}
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{process.base_url}/v1", api_key="unused", max_retries=0)
+        data = client.embeddings.create(model="chat-embedder", input=texts).data
+    finally:
+        process.stop()
+    ours = torch.tensor([d.embedding for d in data])
+    assert cosines(ours, reference).min() >= COSINE

@@ -67,23 +67,6 @@ def test_stream_sends_reasoning_as_it_arrives_and_holds_back_only_possible_marke
     assert parser_stream.feed("\n") == [] and parser_stream.finish() == []  # trailing whitespace is stripped
 
 
-@pytest.mark.parametrize(
-    ("name", "text", "ended"),
-    [
-        ("deepseek_r1", "", False),
-        ("deepseek_r1", "thinking", False),
-        ("deepseek_r1", "done</think>", True),
-        ("qwen3", "", False),
-        ("qwen3", "\n<thi", False),
-        ("qwen3", "<think>\nstill", False),
-        ("qwen3", "<think></think>", True),
-        ("qwen3", "Hello", True),
-    ],
-)
-def test_reasoning_ended_tells_when_the_answer_begins(name, text, ended):
-    assert reasoning_parser(name)().reasoning_ended(text) is ended
-
-
 def test_reasoning_parser_names_the_known_parsers():
     assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):

@@ -39,16 +39,6 @@ class ReasoningParser:
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self.starts_in_reasoning)
 
-    def reasoning_ended(self, text: str) -> bool:
-        """Whether an output that begins with `text` is past its reasoning, so what it generates next is the answer.
-
-        False while a `<think>` may still open the output: structured outputs wait for this before constraining.
-        """
-        if END in text:
-            return True
-        head = text.lstrip()
-        return not self.starts_in_reasoning and bool(head) and not (head.startswith(START) or START.startswith(head))
-
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
     """DeepSeek-R1: its chat template ends the prompt with `<think>`, so the output starts inside the reasoning (a
