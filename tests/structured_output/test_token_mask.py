@@ -79,39 +79,48 @@ def test_masked_logits_equal_the_unmasked_ones_on_allowed_tokens(compiler, defau
     assert "." in regex_next and "5" in regex_next and "a" not in regex_next
 
 
-def random_walk(compiler, vocab: int, params: StructuredOutputsParams, choices: list[int]):
-    """Tokens drawn by `choices` from each step's allowed ones: yields (allowed ids, tokens so far) before each draw
-    and stops at an eos or when the choices run out."""
+def random_walk(
+    compiler, vocab: int, params: StructuredOutputsParams, choices: list[int]
+) -> tuple[list[tuple[np.ndarray, list[int]]], bool]:
+    """Tokens drawn by `choices` from each step's allowed ones, until an eos is drawn or the choices run out:
+    (allowed ids, tokens so far) before each draw, and whether the walk drew its eos."""
     manager = StructuredOutputManager(compiler)
     manager.add("walk", compiler.grammar(params))
-    tokens: list[int] = []
+    steps, tokens = [], []
     for choice in choices:
         allowed = allowed_ids(manager.bitmasks(["walk"])["walk"], vocab)
-        yield allowed, tokens
+        steps.append((allowed, list(tokens)))
         token = int(allowed[choice % len(allowed)])
         if token == EOS:
-            return
+            return steps, True
         tokens.append(token)
-        manager.advance("walk", [token])
-        assert "walk" in manager, "a token the mask allowed broke the grammar"
+        assert manager.advance("walk", [token]) is None, "a token the mask allowed broke the grammar"
+    return steps, False
 
 
+# Both constraints are bounded (PATTERN matches at most 21 characters; every string, number and array of SCHEMA
+# is bounded, ~60 characters at most), so a walk of one token a character at worst draws its eos within its
+# choices: a walk that does not has found a grammar that goes on where it must end.
 @given(st.lists(st.integers(min_value=0, max_value=2**32), min_size=40, max_size=40))
 def test_every_token_sampled_under_a_regex_keeps_a_valid_prefix(compiler, default_tokenizer, choices):
-    """Random walks through the allowed tokens: each text is a prefix of a match, and an eos comes only after a
-    full one."""
-    params = StructuredOutputsParams(regex=PATTERN)
-    for allowed, tokens in random_walk(compiler, len(default_tokenizer), params, choices):
+    """Random walks through the allowed tokens: each text is a prefix of a match, an eos comes only after a full
+    one, and every walk ends with one."""
+    steps, ended = random_walk(compiler, len(default_tokenizer), StructuredOutputsParams(regex=PATTERN), choices)
+    for allowed, tokens in steps:
         text = default_tokenizer.decode(tokens)
         assert regex.fullmatch(PATTERN, text, partial=True), tokens
         if EOS in allowed:
             assert regex.fullmatch(PATTERN, text)
+    assert ended, default_tokenizer.decode(steps[-1][1])
 
 
 @given(st.lists(st.integers(min_value=0, max_value=2**32), min_size=80, max_size=80))
 def test_json_sampled_under_a_schema_validates(compiler, default_tokenizer, choices):
-    for allowed, tokens in random_walk(compiler, len(default_tokenizer), StructuredOutputsParams(json=SCHEMA), choices):
-        if EOS in allowed:  # the object is complete
+    """Every walk ends with an eos, after an object that validates (and an eos is allowed only after one)."""
+    steps, ended = random_walk(compiler, len(default_tokenizer), StructuredOutputsParams(json=SCHEMA), choices)
+    assert ended, default_tokenizer.decode(steps[-1][1])
+    for allowed, tokens in steps:
+        if EOS in allowed:
             jsonschema.validate(json.loads(default_tokenizer.decode(tokens)), SCHEMA)
 
 
