@@ -25,6 +25,7 @@ from heteroserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from heteroserve.engine.byte_size import byte_size
 
 ENGINE_GROUP = "engine"
 PARALLEL_GROUP = "parallelism (docs/PLATFORMS.md)"
@@ -112,8 +113,12 @@ class EngineArgs:
     )
     enable_prefix_caching: bool = _setting(True, "reuse the KV blocks of a prompt prefix already computed")
     enable_chunked_prefill: bool = _setting(True, "split long prompts over steps, alongside decoding requests")
-    kv_cache_memory_bytes: int | None = _setting(
-        None, "bytes for the KV block pool (CPU default: 2 GiB); overrides --gpu-memory-utilization"
+    kv_cache_memory_bytes: int | str | None = _setting(
+        None,
+        "bytes for the KV block pool, e.g. 4GiB, 512MB or 1073741824 (CPU default: 2 GiB); overrides "
+        "--gpu-memory-utilization",
+        parse=byte_size,
+        metavar="BYTES",
     )
     num_kv_blocks: int | None = _setting(None, "KV-cache blocks to allocate, overriding the memory budget")
     gpu_memory_utilization: float | None = _setting(
@@ -270,7 +275,9 @@ class EngineArgs:
             model=model,
             cache=CacheConfig(
                 block_size=self.block_size,
-                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                kv_cache_memory_bytes=None
+                if self.kv_cache_memory_bytes is None
+                else byte_size(self.kv_cache_memory_bytes),
                 enable_prefix_caching=self.enable_prefix_caching,
                 num_kv_blocks=self.num_kv_blocks,
                 gpu_memory_utilization=self.gpu_memory_utilization,

@@ -77,7 +77,8 @@ class ModelRunner:
         if self.num_blocks * self.block_size < loaded.max_model_len:
             raise ValueError(
                 f"the KV cache holds {self.num_blocks} blocks of {self.block_size} tokens, fewer than one "
-                f"request of max_model_len={loaded.max_model_len}; raise kv_cache_memory_bytes or lower max_model_len"
+                f"request of max_model_len={loaded.max_model_len}; raise --kv-cache-memory-bytes "
+                "(kv_cache_memory_bytes) or lower --max-model-len (max_model_len)"
             )
         shape = (
             self.arch.num_layers,

@@ -103,3 +103,10 @@ def test_a_pooling_checkpoint_is_known_before_it_loads(tmp_path):
     assert config.scheduler.max_num_batched_tokens == max(8192, config.scheduler.max_model_len)
     shorter = EngineArgs(model=str(embedder.folder), max_model_len=64).create_engine_config().scheduler
     assert (shorter.max_model_len, shorter.max_num_batched_tokens) == (64, 8192)
+
+
+def test_kv_cache_memory_bytes_takes_units_on_the_cli_and_in_llm():
+    args = make_parser().parse_args(["--kv-cache-memory-bytes", "1.5GiB"])
+    assert args.kv_cache_memory_bytes == 3 * 2**29
+    config = EngineArgs.from_kwargs(kv_cache_memory_bytes="256MiB").create_engine_config()
+    assert config.cache.kv_cache_memory_bytes == 256 * 2**20

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -55,6 +56,12 @@ def test_api_key_guards_only_the_api(strict_server):
     assert reply.model == "smol" and reply.choices[0].text is not None
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_ready_log_names_the_page_url_and_a_keyed_loopback_server_is_not_warned(strict_server):
+    log = strict_server.log_text()
+    assert f"chat page and API at http://127.0.0.1:{strict_server.port}/" in log
+    assert "without --api-key" not in log
 
 
 def test_cors_preflight_needs_no_key(strict_server):
@@ -149,3 +156,40 @@ def test_sigterm_drains_then_exits_zero(strict_server):
         worker.join(120)
     assert result == {"status": 200, "tokens": 60, "stream_tokens": 40}
     assert strict_server.process.wait(60) == 0
+
+
+def test_requests_past_the_drain_timeout_end_with_an_error_not_a_cut_connection():
+    """SIGTERM with --drain-timeout 1 while a stream and a JSON request run longer: the stream ends with an error
+    event and [DONE], the JSON request gets a 503 naming the drain, and the server exits 0."""
+    process = ServerProcess("--max-model-len", "512", "--kv-cache-memory-bytes", str(32 * 1024**2),
+                            "--drain-timeout", "1")  # fmt: skip
+    url = f"{process.base_url}/v1/completions"
+    body = {"prompt": "Write a long story", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
+    result: dict[str, object] = {}
+
+    def stream() -> None:
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as response:
+            result["events"] = [line.removeprefix("data: ") for line in response.iter_lines() if line.strip()]
+
+    def whole() -> None:
+        response = httpx.post(url, json=body, timeout=120)
+        result["whole"] = (response.status_code, response.json())
+
+    try:
+        workers = [threading.Thread(target=stream), threading.Thread(target=whole)]
+        for worker in workers:
+            worker.start()
+        deadline = time.monotonic() + 60
+        while process.metric("heteroserve:num_requests_running") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        process.terminate()
+        for worker in workers:
+            worker.join(60)
+        events = result["events"]
+        assert events[-1] == "[DONE]" and "drain timeout" in json.loads(events[-2])["error"]["message"]
+        assert len(events) > 3  # some tokens came before the cut
+        status, answer = result["whole"]
+        assert status == 503 and "drain timeout" in answer["error"]["message"]
+        assert process.process.wait(60) == 0
+    finally:
+        process.stop()

@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
+import sys
 import uuid
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from heteroserve.engine.async_engine import AsyncLLMEngine
 from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.gate import Gate, ServerState, unless_disconnected
+from heteroserve.entrypoints.openai.listen_address import bind_listen_socket, is_loopback, page_url, port_number
 from heteroserve.entrypoints.openai.lora_modules import LoRAModules, parse_lora_module
 from heteroserve.entrypoints.openai.lora_routes import add_lora_routes
 from heteroserve.entrypoints.openai.page_routes import add_chat_page_routes
@@ -65,6 +68,7 @@ def build_app(
     allowed_origins: list[str] | None = None,
     log_requests: bool = False,
     allow_lora_updates: bool = False,
+    url: str | None = None,
 ) -> FastAPI:
     app = FastAPI(title="heteroserve", version=heteroserve.__version__)
     state = ServerState()
@@ -81,6 +85,7 @@ def build_app(
     _add_page_and_probe_routes(app, engine, state, metrics)
     completions = ServingCompletion(engine, settings, metrics, admission)
     chats = ServingChat(engine, settings, metrics, admission)
+    state.at_drain_timeout += [completions.cut_off_requests, chats.cut_off_requests]
     _add_generation_routes(app, engine, settings, completions, chats, log_requests)
     add_pooling_routes(app, engine, settings, metrics, admission, _API_ERRORS, log_requests)
     add_lora_routes(app, engine, settings, allow_lora_updates, _API_ERRORS)
@@ -95,6 +100,8 @@ def build_app(
             pass
         state.ready = True
         logger.info("ready: serving %s", ", ".join(settings.served_model_names))
+        if url is not None:
+            logger.info("chat page and API at %s", url)
 
     return app
 
@@ -289,7 +296,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="same as the positional MODEL")
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="0.0.0.0")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--port", type=port_number, default=8000, help="checked and bound before the model loads")
     group.add_argument("--served-model-name", nargs="+", default=None, help="names clients use (default: the model)")
     group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     group.add_argument("--chat-template", default=None, help="a Jinja chat template (file path or inline)")
@@ -345,6 +352,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
     group.add_argument("--enable-log-requests", action="store_true", help="log request bodies (prompts included)")
     group.add_argument("--uvicorn-log-level", default="info")
+    group.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning"],
+        default="info",
+        help="heteroserve's log level; debug also shows the traceback of a start-up configuration error",
+    )
     media = parser.add_argument_group("images in chat requests")
     media.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) image URLs (off: offline)")
     media.add_argument("--allowed-local-media-path", default=None, help="serve file:// images only under this folder")
@@ -369,20 +382,42 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_server(args: argparse.Namespace) -> None:
+    """Starts the engine and serves until SIGTERM. A configuration error found while starting (a ValueError, a
+    missing file, a taken port) is one line on stderr and exit 2: the user's mistake, not a bug to debug."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model = args.model or args.model_tag
+    logging.getLogger().setLevel(args.log_level.upper())
     try:
-        config = EngineArgs.from_cli_args(args, model).create_engine_config()
-        media = MediaPolicy.from_config(
-            config.multimodal,
-            allow_remote=args.allow_remote_media or bool(args.allowed_media_domains),
-            allowed_domains=frozenset(args.allowed_media_domains) if args.allowed_media_domains else None,
-            allowed_local_path=Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
-            max_bytes=args.max_image_bytes,
-            timeout_s=args.media_fetch_timeout,
+        started = _start(args)
+    except (ValueError, FileNotFoundError) as exc:
+        if args.log_level == "debug":
+            raise
+        print(f"heteroserve serve: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    engine, server, listen_socket = started
+    server.run(sockets=[listen_socket])
+    engine.shutdown()
+
+
+def _start(args: argparse.Namespace) -> tuple[AsyncLLMEngine, DrainingServer, socket.socket]:
+    """The engine and the HTTP server on its bound socket, the port bound first so that a taken one is told
+    before minutes of loading (a worker node binds nothing, serves the head's ranks and exits here)."""
+    listen_socket = bind_listen_socket(args.host, args.port) if args.node_rank == 0 else None
+    if listen_socket is not None and not is_loopback(args.host) and args.api_key is None:
+        logger.warning(
+            "listening on %s, reachable from other machines, without --api-key: anyone who reaches it can use "
+            "the model (pass --api-key KEY, or --host 127.0.0.1 for this machine only)",
+            args.host,
         )
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from exc
+    model = args.model or args.model_tag
+    config = EngineArgs.from_cli_args(args, model).create_engine_config()
+    media = MediaPolicy.from_config(
+        config.multimodal,
+        allow_remote=args.allow_remote_media or bool(args.allowed_media_domains),
+        allowed_domains=frozenset(args.allowed_media_domains) if args.allowed_media_domains else None,
+        allowed_local_path=Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
+        max_bytes=args.max_image_bytes,
+        timeout_s=args.media_fetch_timeout,
+    )
     if config.parallel.node_rank > 0:  # a worker node: no engine, no HTTP; it serves the head's ranks
         from heteroserve.executor.worker_process import run_node
 
@@ -414,9 +449,9 @@ def run_server(args: argparse.Namespace) -> None:
                 )
             engine.engine.check_lora(lora)
             lora_modules.add(lora)
-        except ValueError as exc:
+        except ValueError:
             engine.shutdown()
-            raise SystemExit(str(exc)) from exc
+            raise
     settings = ServerSettings(
         names,
         args.max_waiting_requests,
@@ -439,12 +474,12 @@ def run_server(args: argparse.Namespace) -> None:
         args.allowed_origins,
         args.enable_log_requests,
         args.allow_runtime_lora_updating,
+        url=page_url(args.host, listen_socket.getsockname()[1]),
     )
     server_config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5
     )
-    DrainingServer(server_config, app.state.server, args.drain_timeout).run()
-    engine.shutdown()
+    return engine, DrainingServer(server_config, app.state.server, args.drain_timeout), listen_socket
 
 
 def main() -> None:

@@ -92,6 +92,15 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.defaults = engine.engine.sampling_defaults
+        self.cut_off = False  # the SIGTERM drain's timeout has passed
+        self._reads: set[asyncio.Future] = set()  # requests' waits for their next output
+
+    def cut_off_requests(self) -> None:
+        """The drain timeout passed: every request waiting for its next output ends with a 503 (a stream: an
+        error event, then [DONE]) instead of a connection closed mid-answer; its engine request is aborted."""
+        self.cut_off = True
+        for read in self._reads:
+            read.cancel()
 
     @property
     def model_name(self) -> str:
@@ -179,12 +188,27 @@ class OpenAIServing:
         return first, stream
 
     async def _next(self, stream: AsyncIterator[RequestOutput], deadline: float | None) -> RequestOutput:
-        """The stream's next output; past the deadline the stream is closed, which aborts the engine request."""
+        """The stream's next output; past the deadline, or once the drain cuts requests off, the stream is closed,
+        which aborts the engine request."""
+        read = asyncio.ensure_future(anext(stream))
+        if self.cut_off:
+            read.cancel()
+        self._reads.add(read)
         try:
-            return await asyncio.wait_for(anext(stream), None if deadline is None else deadline - time.monotonic())
-        except TimeoutError as exc:
-            await stream.aclose()
-            raise self.timed_out() from exc
+            done, _ = await asyncio.wait({read}, timeout=None if deadline is None else deadline - time.monotonic())
+        except asyncio.CancelledError:  # the client left
+            read.cancel()
+            raise
+        finally:
+            self._reads.discard(read)
+        if read in done and not read.cancelled():
+            return read.result()
+        read.cancel()
+        await asyncio.wait({read})  # the generator's own clean-up (the abort) runs before it is closed
+        await stream.aclose()
+        if self.cut_off:
+            raise APIError(503, "the server is shutting down: its drain timeout passed before the request finished")
+        raise self.timed_out()
 
     async def rest(
         self, first: RequestOutput, stream: AsyncIterator[RequestOutput], deadline: float | None

@@ -52,10 +52,19 @@ def resolve_model(model: str | None) -> ModelSource:
     cached = _find_in_hf_cache(model)
     if cached is not None:
         return ModelSource(model, cached)
+    if _looks_like_hf_id(model):
+        raise FileNotFoundError(
+            f"model {model!r} is not in the local Hugging Face cache, and nothing is downloaded at run time: "
+            f"fetch it first with `hf download {model}`"
+        )
     raise FileNotFoundError(
-        f"model {model!r} not found: not a local path, and not in the local Hugging Face cache "
-        "(models are never downloaded at run time)"
+        f"model path {model!r} does not exist (pass a checkpoint folder, a GGUF file or owner/name)"
     )
+
+
+def _looks_like_hf_id(model: str) -> bool:
+    """owner/name, as opposed to a path such as ./model, /models/x or models/x/y."""
+    return model.count("/") == 1 and not model.startswith((".", "/", "~"))
 
 
 def _find_in_hf_cache(model_id: str) -> Path | None:
