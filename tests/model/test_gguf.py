@@ -260,7 +260,7 @@ def test_folder_that_is_not_a_checkpoint(tmp_path, llama_f32):
     with pytest.raises(ValueError, match="not a .gguf file"):
         _load(text_file)
 
-    with pytest.raises(FileNotFoundError, match="not found"):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         _load(tmp_path / "does-not-exist")
 
 
