@@ -19,8 +19,8 @@ _CLASSES = {
 }
 # Keywords whose values map names to subschemas (the names are not keywords).
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas")
-# Keywords whose values are data, not schemas.
-_DATA = ("enum", "const", "default", "examples")
+# Keywords whose values are data, not schemas: a walk through a schema leaves them as they are.
+DATA_KEYWORDS = ("enum", "const", "default", "examples")
 
 
 def ascii_regex(pattern: str) -> str:
@@ -51,7 +51,7 @@ def ascii_schema(schema: object) -> object:
             converted[key] = {ascii_regex(name): ascii_schema(sub) for name, sub in value.items()}
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
             converted[key] = {name: ascii_schema(sub) for name, sub in value.items()}
-        elif key in _DATA:
+        elif key in DATA_KEYWORDS:
             converted[key] = value
         else:
             converted[key] = ascii_schema(value)

@@ -42,6 +42,19 @@ def limits_server():
     process.stop()
 
 
+def _slowest_health_while(server: ServerProcess, senders: list[threading.Thread]) -> float:
+    """Starts the senders and polls /health (each answer must be 200) until they are done: its slowest answer."""
+    for sender in senders:
+        sender.start()
+    slowest = 0.0
+    while any(sender.is_alive() for sender in senders):
+        before = time.monotonic()
+        assert httpx.get(f"{server.base_url}/health", timeout=60).status_code == 200
+        slowest = max(slowest, time.monotonic() - before)
+        time.sleep(0.05)
+    return slowest
+
+
 def _post(server: ServerProcess, path: str, body: dict, timeout: float = 120) -> httpx.Response:
     return httpx.post(f"{server.base_url}{path}", json=body, timeout=timeout)
 
@@ -199,14 +212,7 @@ def test_uninterruptible_template_steps_stop_in_worker_processes(limits_server, 
         answers[template] = (_post(limits_server, "/v1/chat/completions", body), time.monotonic() - started)
 
     senders = [threading.Thread(target=send, args=(template,)) for template in UNINTERRUPTIBLE_STEPS]
-    for sender in senders:
-        sender.start()
-    slowest_health = 0.0
-    while any(sender.is_alive() for sender in senders):
-        before = time.monotonic()
-        assert httpx.get(f"{limits_server.base_url}/health", timeout=60).status_code == 200
-        slowest_health = max(slowest_health, time.monotonic() - before)
-        time.sleep(0.05)
+    slowest_health = _slowest_health_while(limits_server, senders)
     for template, named in UNINTERRUPTIBLE_STEPS.items():
         response, elapsed = answers[template]
         assert named in _error(response, 400, "chat_template")["message"], template
@@ -246,14 +252,7 @@ def test_health_answers_while_large_prompts_are_tokenized(server):
 
     senders = [threading.Thread(target=send, args=(path,)) for path in ("/tokenize", "/v1/completions")]
     started = time.monotonic()
-    for sender in senders:
-        sender.start()
-    slowest_health = 0.0
-    while any(sender.is_alive() for sender in senders):
-        before = time.monotonic()
-        assert httpx.get(f"{server.base_url}/health", timeout=60).status_code == 200
-        slowest_health = max(slowest_health, time.monotonic() - before)
-        time.sleep(0.05)
+    slowest_health = _slowest_health_while(server, senders)
     busy = time.monotonic() - started
     assert results["/tokenize"].json()["count"] > 1_000_000
     assert "maximum context length" in _error(results["/v1/completions"], 400, "prompt")["message"]

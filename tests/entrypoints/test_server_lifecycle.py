@@ -115,6 +115,15 @@ def test_waiting_queue_limit_holds_against_a_burst(strict_server):
         assert strict_server.metric(f"heteroserve:{gauge}") == 0, gauge
 
 
+def _start_until(server: ServerProcess, workers: list[threading.Thread], gauge: str, count: int) -> None:
+    """Starts the workers' requests and waits (up to a minute) until the server's gauge reads `count`."""
+    for worker in workers:
+        worker.start()
+    deadline = time.monotonic() + 60
+    while server.metric(gauge) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_sigterm_drains_then_exits_zero(strict_server):
     """A JSON request and a stream (queued behind it: one sequence runs at a time) both finish after SIGTERM."""
     url = strict_server.base_url
@@ -140,11 +149,7 @@ def test_sigterm_drains_then_exits_zero(strict_server):
         result["stream_tokens"] = [c.usage.completion_tokens for c in chunks if c.usage][-1]
 
     workers = [threading.Thread(target=long_request), threading.Thread(target=long_stream)]
-    for worker in workers:
-        worker.start()
-    deadline = time.monotonic() + 60
-    while strict_server.metric("heteroserve:num_requests_waiting") < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _start_until(strict_server, workers, "heteroserve:num_requests_waiting", 1)
     strict_server.terminate()
     time.sleep(0.3)
     assert httpx.get(f"{url}/health/ready").status_code == 503
@@ -177,11 +182,7 @@ def test_requests_past_the_drain_timeout_end_with_an_error_not_a_cut_connection(
 
     try:
         workers = [threading.Thread(target=stream), threading.Thread(target=whole)]
-        for worker in workers:
-            worker.start()
-        deadline = time.monotonic() + 60
-        while process.metric("heteroserve:num_requests_running") < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _start_until(process, workers, "heteroserve:num_requests_running", 2)
         process.terminate()
         for worker in workers:
             worker.join(60)

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.structured_output import StructuredOutputsParams
+from heteroserve.structured_output.ascii_classes import DATA_KEYWORDS
 from heteroserve.structured_output.grammar_compiler import check_strict_schema
 
 
@@ -140,7 +141,7 @@ def _rebase_refs(schema: object, root: str) -> object:
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
             rebased[key] = root + value[1:]
-        elif key in ("enum", "const", "default", "examples"):
+        elif key in DATA_KEYWORDS:
             rebased[key] = value
         else:
             rebased[key] = _rebase_refs(value, root)
