@@ -55,16 +55,18 @@ class HFReference:
 class GreedyComparison:
     sequences: int = 0
     near_tie_divergences: list[str] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)  # the reference's top-2 logit gap at every compared token
 
     def check(self, label: str, ours: list[int], reference: ReferenceRun, near_tie: float = NEAR_TIE) -> None:
         """Asserts `ours` equals the reference up to a divergence at a near-tie (recorded, not failed). A run that
         rounds differently on purpose (a 16-bit KV cache) passes its own, wider `near_tie`."""
         self.sequences += 1
         for i, (mine, theirs) in enumerate(zip(ours, reference.tokens, strict=False)):
-            if mine == theirs:
-                continue
             top2 = reference.logits[i].topk(2).values
             gap = float(top2[0] - top2[1])
+            self.margins.append(gap)
+            if mine == theirs:
+                continue
             assert gap < near_tie, (
                 f"{label}: token {i} is {mine}, reference {theirs}, and the reference's top-2 logit gap "
                 f"{gap:.2e} is not a near-tie; ours={ours} reference={reference.tokens}"
@@ -76,5 +78,11 @@ class GreedyComparison:
     def summary(self) -> str:
         n = len(self.near_tie_divergences)
         lines = [f"greedy comparisons: {self.sequences} sequences, {n} ended at a near-tie divergence"]
+        if self.margins:
+            margins = torch.tensor(self.margins)
+            lines.append(
+                f"  reference top-2 logit margins over {len(margins)} tokens: median {margins.median():.3g}, "
+                f"10th percentile {margins.quantile(0.1):.3g}, smallest {margins.min():.2e}"
+            )
         lines += [f"  near-tie: {d}" for d in self.near_tie_divergences]
         return "\n".join(lines)

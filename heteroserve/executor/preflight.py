@@ -3,14 +3,12 @@ GGUF header takes milliseconds, starting workers takes seconds (and each would f
 
 from __future__ import annotations
 
-import json
-
-from transformers import AutoConfig
-
 from heteroserve.config import EngineConfig
 from heteroserve.distributed.parallel_state import layer_range
-from heteroserve.model.arch import VISION_LANGUAGE, ModelArch
+from heteroserve.model.arch import ModelArch
+from heteroserve.model.families import VISION_LANGUAGE
 from heteroserve.model.loader.gguf_loader import gguf_config, open_gguf
+from heteroserve.model.loader.model_config import read_model_config
 from heteroserve.model.loader.pooling_checkpoint import model_task, read_sentence_transformers
 from heteroserve.model.loader.source import resolve_model
 from heteroserve.model.sharding import check_tensor_parallel
@@ -24,8 +22,8 @@ def check_model_split(config: EngineConfig) -> None:
         hf_config = gguf_config(open_gguf(source.gguf_file))
     else:
         try:
-            hf_config = AutoConfig.from_pretrained(source.folder)
-        except (ValueError, OSError, json.JSONDecodeError):
+            hf_config = read_model_config(source.folder)
+        except ValueError:
             return  # the workers' loader reports an unreadable checkpoint in its own words
     if source.gguf_file is None:
         task = model_task(hf_config, read_sentence_transformers(source.folder), config.model.runner)

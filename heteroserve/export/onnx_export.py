@@ -209,7 +209,7 @@ def export_onnx(loaded: LoadedModel, options: ExportOptions) -> ExportResult:
         "num_kv_heads": arch.num_kv_heads,
         "head_dim": arch.head_dim,
         "vocab_size": arch.vocab_size,
-        "sliding_window": arch.sliding_window,
+        "sliding_windows": [layer.sliding_window for layer in arch.layers],
         "opset": options.opset,
         "weights": {
             "dtype": options.dtype,

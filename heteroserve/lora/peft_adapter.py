@@ -93,6 +93,7 @@ def load_adapter(name: str, path: str, arch: ModelArch, max_rank: int, dtype: to
     """The adapter's matrices in `dtype`, checked as `inspect_adapter` checks them."""
     config = inspect_adapter(name, path, arch, max_rank)
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(arch.num_layers)]
+    qk_order = arch.qk_row_order()  # the model's q/k rows are reordered at load; the adapter's B rows follow
     with safe_open(Path(path) / ADAPTER_WEIGHTS, framework="pt") as tensors:
         for key in tensors.keys():  # noqa: SIM118 - safe_open has no __iter__
             layer, module, kind = _parse(key)
@@ -102,6 +103,9 @@ def load_adapter(name: str, path: str, arch: ModelArch, max_rank: int, dtype: to
                 a = tensor.to(dtype)
             else:
                 b = (tensor * config.scaling).to(dtype)
+                if qk_order is not None and module in ("q_proj", "k_proj"):
+                    heads = b.shape[0] // arch.head_dim
+                    b = b[(torch.arange(heads)[:, None] * arch.head_dim + qk_order[None, :]).flatten()]
             layers[layer][module] = (a, b)
     return AdapterWeights(config, layers)
 

@@ -1,20 +1,84 @@
-"""The architecture of a decoder-only model as data: what differs between Llama, Mistral and Qwen."""
+"""A decoder-only model as data: its sizes, each layer's blocks (`LayerSpec`) and its checkpoint's layout.
+
+The layer's order of operations is fixed (decoder.DecoderLayer):
+
+    h = pre_norm(x) if pre_norms else x
+    a = o_proj(attention(rotary(qk_norm(qkv_proj(h)))))          # scale, soft-cap and window from the spec
+    x = x + residual_scale * (attn_output_norm(a) if output_norms else a)
+    h = post_attention_norm(x) if pre_norms else x
+    m = down_proj(act(gate) * up)                                  # silu (SwiGLU) or tanh GELU (GeGLU)
+    x = x + residual_scale * (mlp_output_norm(m) if output_norms else m)
+
+and every field of `LayerSpec` that differs from its default (Llama's) is a trait. The operator-by-operator layer
+implements them all; a fused kernel or an exporter names the traits it implements, and `unimplemented_traits`
+lists the rest, so a layer with a trait it lacks is refused rather than computed wrongly. What a family does that
+a load-time transform can express (Gemma's `1 + w` norms, GLM's interleaved and partial rotary, fused checkpoint
+projections) is done to the weights instead (model/loader/canonical_tensors.py) and is not a trait.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from transformers import PretrainedConfig
+import torch
 
-# model_type -> how it differs from plain Llama.
-ARCHITECTURES: dict[str, dict[str, bool]] = {
-    "llama": {},
-    "mistral": {"sliding_window": True},
-    "qwen2": {"qkv_bias": True},
-    "qwen3": {"qk_norm": True},
-}
-# Vision-language model_type -> the text architecture of its language model (its `text_config`).
-VISION_LANGUAGE: dict[str, str] = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+ROTARY_GLOBAL, ROTARY_LOCAL, ROTARY_NONE = "global", "local", "none"
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer's blocks; the defaults are Llama's."""
+
+    sliding_window: int | None = None  # keys older than this many positions are masked out
+    rotary: str = ROTARY_GLOBAL  # the model's rotary table this layer reads: global, local (Gemma 3's), none
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str | None = None  # "head": RMSNorm per head (Qwen3, Gemma 3); "projection": over all heads (OLMo 2)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
+    pre_norms: bool = True  # RMSNorm before attention and before the MLP (OLMo 2 has none)
+    output_norms: bool = False  # RMSNorm on attention's and the MLP's outputs (Gemma 2/3's sandwich, GLM-4, OLMo 2)
+    activation: str = "silu"  # of the gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    mlp_bias: bool = False
+    residual_scale: float = 1.0  # sublayer outputs are scaled before the residual add (Granite)
+
+    def traits(self) -> dict[str, object]:
+        """The fields that differ from their defaults, with their values."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+
+
+# A kernel's or exporter's implemented traits: name -> the values it implements (None: every value).
+ImplementedTraits = dict[str, frozenset | None]
+
+
+def unimplemented_traits(traits: dict[str, object], implemented: ImplementedTraits) -> list[str]:
+    """The traits (as "name=value") that `implemented` does not cover; a trait added to LayerSpec is in this list
+    for every implementation until it names it."""
+    missing = []
+    for name, value in traits.items():
+        if name not in implemented or (implemented[name] is not None and value not in implemented[name]):
+            missing.append(f"{name}={value}")
+    return missing
+
+
+@dataclass(frozen=True)
+class RotarySpec:
+    """A rotary table: frequencies for the first `rotary_dim` of each head's dimensions (the rest pass through),
+    from the config's rope parameters for `layer_type` (Gemma 3 keeps one set per layer type; None: the only set)."""
+
+    rotary_dim: int
+    layer_type: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """How a family's checkpoint differs from Llama's names and layout; undone at load."""
+
+    renames: tuple[tuple[str, str], ...] = ()  # (checkpoint's layer-tensor prefix, ours), applied in order
+    fused_qkv: str | None = None  # the layer-tensor name of a fused q/k/v projection (Phi-3: self_attn.qkv_proj)
+    fused_gate_up: str | None = None  # of a fused gate/up projection (Phi-3, GLM: mlp.gate_up_proj)
+    norm_offset: bool = False  # norms scale by 1 + w (Gemma): 1 is added to every norm weight
+    interleaved_rotary: bool = False  # rotary pairs are adjacent dimensions (GLM, ERNIE): q/k rows are reordered
 
 
 @dataclass(frozen=True)
@@ -29,41 +93,50 @@ class ModelArch:
     intermediate_size: int
     rms_norm_eps: float
     tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-    sliding_window: int | None
     max_position_embeddings: int
+    layers: tuple[LayerSpec, ...]
+    rotary: dict[str, RotarySpec]  # the tables the layers read, by LayerSpec.rotary
+    attn_scale: float  # multiplies q.k (head_dim ** -0.5 unless the family sets it)
+    embed_scale: float = 1.0  # token embeddings are multiplied by it (Gemma: sqrt(hidden); Granite)
+    logits_scale: float = 1.0  # the LM head's output is multiplied by it (Granite: 1 / logits_scaling)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    checkpoint: CheckpointLayout = CheckpointLayout()
 
     @classmethod
-    def from_hf_config(cls, config: PretrainedConfig) -> ModelArch:
+    def from_hf_config(cls, config) -> ModelArch:
         """The decoder of a text model, or the language model of a vision-language one."""
-        model_type = config.model_type
-        if model_type not in ARCHITECTURES and model_type not in VISION_LANGUAGE:
-            raise ValueError(
-                f"unsupported architecture {model_type!r} ({getattr(config, 'architectures', None)}); "
-                f"supported: {', '.join([*ARCHITECTURES, *VISION_LANGUAGE])}"
-            )
-        traits = ARCHITECTURES[VISION_LANGUAGE.get(model_type, model_type)]
-        tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if model_type in VISION_LANGUAGE:
-            config = config.get_text_config()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported activation {config.hidden_act!r}; only silu is implemented")
-        num_heads = config.num_attention_heads
-        window = getattr(config, "sliding_window", None) if traits.get("sliding_window") else None
-        return cls(
-            model_type=model_type,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
-            intermediate_size=config.intermediate_size,
-            rms_norm_eps=config.rms_norm_eps,
-            tie_word_embeddings=tie_word_embeddings,
-            qkv_bias=traits.get("qkv_bias", False) or bool(getattr(config, "attention_bias", False)),
-            qk_norm=traits.get("qk_norm", False),
-            sliding_window=window,
-            max_position_embeddings=config.max_position_embeddings,
-        )
+        from heteroserve.model.families import arch_of
+
+        return arch_of(config)
+
+    def model_traits(self) -> dict[str, object]:
+        """The model-level steps that differ from Llama's (outside the layers)."""
+        traits = {"embed_scale": self.embed_scale, "logits_scale": self.logits_scale}
+        traits = {k: v for k, v in traits.items() if v != 1.0}
+        if self.final_softcap is not None:
+            traits["final_softcap"] = self.final_softcap
+        return traits
+
+    @property
+    def sliding_windows(self) -> list[int | None]:
+        """The distinct windows of the layers (None: full attention), in first-use order; the attention metadata
+        is built once per step for each."""
+        return list(dict.fromkeys(layer.sliding_window for layer in self.layers))
+
+    def qk_row_order(self) -> torch.Tensor | None:
+        """The order our q/k projection rows take within each head (row j reads the checkpoint's row order[j]), so
+        that the table's rotate-half rotary computes the family's: rotated pairs (i, i + rotary_dim / 2), or
+        adjacent (2i, 2i + 1) where the checkpoint interleaves them, sit at (i, i + head_dim / 2), and the
+        dimensions that pass through fill the columns whose frequency is zero. None where it is the identity."""
+        d = self.head_dim
+        rot = max(spec.rotary_dim for spec in self.rotary.values()) if self.rotary else d
+        if rot == d and not self.checkpoint.interleaved_rotary:
+            return None
+        half = rot // 2
+        if self.checkpoint.interleaved_rotary:
+            first, second = list(range(0, rot, 2)), list(range(1, rot, 2))
+        else:
+            first, second = list(range(half)), list(range(half, rot))
+        passing = list(range(rot, d))
+        fill = (d - rot) // 2
+        return torch.tensor(first + passing[:fill] + second + passing[fill:])

@@ -1,4 +1,5 @@
-"""One decoder-only transformer for every supported architecture; the differences are in `ModelArch`.
+"""One decoder-only transformer for every supported architecture; the differences are in `ModelArch` (arch.py
+gives the layer's order of operations, families.py each family's blocks).
 
 Tokens from all scheduled requests arrive flattened ([T] ids and positions), so each projection is one
 matrix product over the whole step. Query/key/value and gate/up projections are fused at load time.
@@ -17,7 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from heteroserve.distributed.parallel_state import ParallelGroups
-from heteroserve.model.arch import ModelArch
+from heteroserve.model.arch import ROTARY_GLOBAL, LayerSpec, ModelArch
 from heteroserve.model.layers.norm import RMSNorm
 from heteroserve.model.layers.rotary import MRotaryEmbedding, RotaryEmbedding, rotary_embedding
 from heteroserve.model.sharding import ModelShard
@@ -64,12 +65,23 @@ def _weight(rows: int, cols: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(rows, cols), requires_grad=False)
 
 
+def _vector(size: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(size), requires_grad=False)
+
+
 class Attention(nn.Module):
     def __init__(
-        self, arch: ModelArch, ops: OperatorTable, parallel: ParallelGroups, backend: AttentionBackend, index: int
+        self,
+        arch: ModelArch,
+        spec: LayerSpec,
+        ops: OperatorTable,
+        parallel: ParallelGroups,
+        backend: AttentionBackend,
+        index: int,
     ) -> None:
         super().__init__()
         self.index = index
+        self.spec = spec
         self.ops = ops
         self.backend = backend
         self.parallel = parallel
@@ -78,90 +90,128 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = _weight(self.q_size + 2 * self.kv_size, arch.hidden_size)
-        self.qkv_bias = (
-            nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size), requires_grad=False) if arch.qkv_bias else None
-        )
+        self.qkv_bias = _vector(self.q_size + 2 * self.kv_size) if spec.qkv_bias else None
         self.o_proj = _weight(arch.hidden_size, self.q_size)
-        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, ops) if arch.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, ops) if arch.qk_norm else None
-        self.scale = self.head_dim**-0.5
+        self.o_bias = _vector(arch.hidden_size) if spec.o_bias else None
+        q_norm_size, k_norm_size = {"head": (self.head_dim,) * 2, "projection": (self.q_size, self.kv_size)}.get(
+            spec.qk_norm, (0, 0)
+        )
+        self.q_norm = RMSNorm(q_norm_size, arch.rms_norm_eps, ops) if spec.qk_norm else None
+        self.k_norm = RMSNorm(k_norm_size, arch.rms_norm_eps, ops) if spec.qk_norm else None
+        self.scale = arch.attn_scale
+        if spec.attn_softcap is not None and not backend.implements_softcap:
+            raise ValueError(
+                f"the {backend.name} attention backend does not implement logit soft-capping, which this model's "
+                f"layer {index} uses (attn_logit_softcapping={spec.attn_softcap})"
+            )
+        self.softcap_argument = {} if spec.attn_softcap is None else {"softcap": spec.attn_softcap}
 
     def forward(self, x, positions, rotary, kv_cache, meta, lora: LoRABatch | None) -> torch.Tensor:
         qkv = self.linear(x, self.qkv_proj, self.qkv_bias)
         if lora is not None:
             qkv = lora.add(qkv, x, self.index, "qkv")
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.spec.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.spec.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale).flatten(1)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **self.softcap_argument)
+        out = out.flatten(1)
         y = self.linear(out, self.o_proj)
         if lora is not None:
             y = lora.add(y, out, self.index, "o")
-        return self.parallel.all_reduce(y)
+        y = self.parallel.all_reduce(y)
+        return y if self.o_bias is None else y + self.o_bias
 
 
 class DecoderLayer(nn.Module):
-    """index: the layer's place in the model (where LoRA adapters keep its matrices)."""
+    """The layer of arch.py's order of operations, with `spec`'s blocks. index: the layer's place in the model
+    (where LoRA adapters keep its matrices)."""
 
     def __init__(
-        self, arch: ModelArch, ops: OperatorTable, parallel: ParallelGroups, backend: AttentionBackend, index: int
+        self,
+        arch: ModelArch,
+        spec: LayerSpec,
+        ops: OperatorTable,
+        parallel: ParallelGroups,
+        backend: AttentionBackend,
+        index: int,
     ) -> None:
         super().__init__()
         self.index = index
+        self.spec = spec
         self.backend = backend
         self.ops = ops
         self.linear = ops.linear
         self.parallel = parallel
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.self_attn = Attention(arch, ops, parallel, backend, index)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.gate_up_proj = _weight(2 * arch.intermediate_size, arch.hidden_size)
-        self.down_proj = _weight(arch.hidden_size, arch.intermediate_size)
+        h, eps = arch.hidden_size, arch.rms_norm_eps
+        self.eps = eps
+        self.input_layernorm = RMSNorm(h, eps, ops) if spec.pre_norms else None
+        self.post_attention_layernorm = RMSNorm(h, eps, ops) if spec.pre_norms else None
+        self.attn_output_norm = RMSNorm(h, eps, ops) if spec.output_norms else None
+        self.mlp_output_norm = RMSNorm(h, eps, ops) if spec.output_norms else None
+        self.self_attn = Attention(arch, spec, ops, parallel, backend, index)
+        self.gate_up_proj = _weight(2 * arch.intermediate_size, h)
+        self.gate_up_bias = _vector(2 * arch.intermediate_size) if spec.mlp_bias else None
+        self.down_proj = _weight(h, arch.intermediate_size)
+        self.down_bias = _vector(h) if spec.mlp_bias else None
+        self.activation = {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}[spec.activation]
         self.fused_decode: FusedDecodeLayer | None = None  # the platform's one-call layer for decode-only steps
 
-    def fuse_for_decode(self, rotary: RotaryEmbedding, sliding_window: int | None, tp_size: int) -> None:
+    def fuse_for_decode(self, rotary: RotaryEmbedding, tp_size: int) -> None:
         """Binds the platform's fused decode layer to this layer's prepared weights, where it has one that
         implements all of this layer's traits (the fuser answers None otherwise)."""
         attn = self.self_attn
         self.fused_decode = self.ops.fuse_decode_layer(
             DecodeLayerWeights(
-                input_norm=self.input_layernorm.weight.data,
+                input_norm=self.input_layernorm.weight.data if self.input_layernorm is not None else None,
                 qk_norms=None if attn.q_norm is None else (attn.q_norm.weight.data, attn.k_norm.weight.data),
                 qkv=attn.qkv_proj,
                 qkv_bias=None if attn.qkv_bias is None else attn.qkv_bias.data,
                 o_proj=attn.o_proj,
-                post_norm=self.post_attention_layernorm.weight.data,
+                post_norm=self.post_attention_layernorm.weight.data if self.post_attention_layernorm else None,
                 gate_up=self.gate_up_proj,
                 down=self.down_proj,
-                eps=self.input_layernorm.eps,
+                eps=self.eps,
                 num_heads=attn.num_heads,
                 scale=attn.scale,
                 cos=rotary.cos,
                 sin=rotary.sin,
-                sliding_window=sliding_window,
+                traits=self.spec.traits(),
                 multimodal_rope=isinstance(rotary, MRotaryEmbedding),
                 tensor_parallel_size=tp_size,
             )
         )
 
     def forward(self, x, positions, rotary, kv_cache, meta, lora: LoRABatch | None = None) -> torch.Tensor:
-        """lora: the step's adapter rows; a step with any runs the unfused layer, which adds their products."""
+        """meta: the attention metadata of this layer's window; lora: the step's adapter rows (a step with any runs
+        the unfused layer, which adds their products)."""
         if self.fused_decode is not None and lora is None and self.backend.is_decode_only(meta):
             return self.fused_decode(x, positions, kv_cache[0], kv_cache[1], meta)
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, lora)
-        h = self.post_attention_layernorm(x)
-        gate_up = self.linear(h, self.gate_up_proj)
+        spec = self.spec
+        h = self.input_layernorm(x) if self.input_layernorm is not None else x
+        a = self.self_attn(h, positions, rotary, kv_cache, meta, lora)
+        if self.attn_output_norm is not None:
+            a = self.attn_output_norm(a)
+        x = x + a if spec.residual_scale == 1.0 else x + a * spec.residual_scale
+        h = self.post_attention_layernorm(x) if self.post_attention_layernorm is not None else x
+        gate_up = self.linear(h, self.gate_up_proj, self.gate_up_bias)
         if lora is not None:
             gate_up = lora.add(gate_up, h, self.index, "gate_up")
-        act = self.ops.silu_and_mul(gate_up)
+        act = self.activation(gate_up)
         down = self.linear(act, self.down_proj)
         if lora is not None:
             down = lora.add(down, act, self.index, "down")
-        return x + self.parallel.all_reduce(down)
+        m = self.parallel.all_reduce(down)
+        if self.down_bias is not None:
+            m = m + self.down_bias
+        if self.mlp_output_norm is not None:
+            m = self.mlp_output_norm(m)
+        return x + m if spec.residual_scale == 1.0 else x + m * spec.residual_scale
 
 
 class DecoderModel(nn.Module):
@@ -189,12 +239,20 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
         self.attn_backend = attn_backend or PagedAttentionBackend(ops)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, self.ops, self.parallel, self.attn_backend, i) for i in range(arch.num_layers)
+            DecoderLayer(arch, spec, self.ops, self.parallel, self.attn_backend, i)
+            for i, spec in enumerate(arch.layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.ops)
         self.has_lm_head = lm_head
         self.lm_head = None if arch.tie_word_embeddings or not lm_head else _weight(arch.vocab_size, arch.hidden_size)
-        self.rotary = rotary_embedding(hf_config.get_text_config(), arch.head_dim, max_positions, self.ops)
+        text_config = hf_config.get_text_config()
+        self.rotaries = nn.ModuleDict(
+            {
+                kind: rotary_embedding(text_config, spec, arch.head_dim, max_positions, self.ops)
+                for kind, spec in arch.rotary.items()
+            }
+        )
+        self.rotary = self.rotaries[ROTARY_GLOBAL]
 
     def prepare_weights(self) -> None:
         """Hands every projection weight to the linear kernel once (repacking); call after loading."""
@@ -212,7 +270,7 @@ class DecoderModel(nn.Module):
             self._prepare(self, "lm_head", head, self.linear.prepare_lm_head)
         if self.ops.fuse_decode_layer is not None:
             for layer in self.layers:
-                layer.fuse_for_decode(self.rotary, self.arch.sliding_window, self.parallel.tp_size)
+                layer.fuse_for_decode(self.rotaries[layer.spec.rotary], self.parallel.tp_size)
 
     def _prepare(self, owner: nn.Module, name: str, weight, prepare=None) -> None:
         prepare = prepare or self.linear.prepare
@@ -232,14 +290,15 @@ class DecoderModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: object,
+        meta: dict[int | None, object],
         injected: tuple[torch.Tensor, torch.Tensor] | None = None,
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """The final hidden states; a pipeline stage before the last sends its output on instead.
 
         positions: [T], or [3, T] for M-RoPE. meta: the attention backend's metadata for the step (its
-        `build_metadata`). injected: (rows, features [n, 1 + k, hidden]) for image placeholder tokens:
+        `build_metadata`) for each of `arch.sliding_windows`, by window.
+        injected: (rows, features [n, 1 + k, hidden]) for image placeholder tokens:
         features[:, 0] replaces their token embeddings, features[:, i] (DeepStack, Qwen3-VL) is added to their
         hidden states after decoder layer i - 1. lora: the step's rows under LoRA adapters (LoRABatch)."""
         dtype = self.norm.weight.dtype
@@ -251,7 +310,8 @@ class DecoderModel(nn.Module):
             rows, features = injected
             x[rows] = features[:, 0].to(x.dtype)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = layer(x, positions, self.rotary, kv_cache, meta, lora)
+            spec = layer.spec
+            x = layer(x, positions, self.rotaries[spec.rotary], kv_cache, meta[spec.sliding_window], lora)
             if injected is not None and i + 1 < features.shape[1]:
                 x[rows] += features[:, i + 1].to(x.dtype)
         if not self.parallel.is_last_stage:
@@ -272,6 +332,8 @@ class DecoderModel(nn.Module):
             x = self.embed_tokens.rows(ids).to(self.norm.weight.dtype)
         if self.parallel.tp_size > 1:
             x = self.parallel.all_reduce(x * inside[:, None].to(x.dtype))
+        if self.arch.embed_scale != 1.0:  # in the activations' dtype, as the reference models round it
+            x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -280,4 +342,11 @@ class DecoderModel(nn.Module):
         if not self.has_lm_head:
             raise RuntimeError("this decoder was built for embeddings, without an LM head")
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return self.parallel.gather_vocab(self.linear(hidden, head).float(), self.shard.full_arch.vocab_size)
+        logits = self.parallel.gather_vocab(self.linear(hidden, head).float(), self.shard.full_arch.vocab_size)
+        if logits is None:
+            return None
+        if self.arch.logits_scale != 1.0:
+            logits = logits * self.arch.logits_scale
+        if self.arch.final_softcap is not None:
+            logits = self.arch.final_softcap * torch.tanh(logits / self.arch.final_softcap)
+        return logits

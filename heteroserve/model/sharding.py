@@ -74,6 +74,7 @@ class ModelShard:
             num_kv_heads=kv_heads,
             intermediate_size=mlp_end - mlp_start,
             num_layers=last - first,
+            layers=arch.layers[first:last],
             vocab_size=vocab_end - vocab_start,
         )
         return cls(groups, arch, local, vocab_start, first, kv_start, q_start, mlp_start)
@@ -122,6 +123,11 @@ class ModelShard:
 def check_tensor_parallel(arch: ModelArch, tp: int) -> None:
     """A clear error when the model's heads cannot be split over `tp` ranks: up to one rank per KV head, whole
     KV groups per rank; beyond that, the query heads must divide evenly and each rank's fall in one KV group."""
+    if tp > 1 and any(layer.qk_norm == "projection" for layer in arch.layers):
+        raise ValueError(
+            f"{arch.model_type} normalises q and k over all heads at once, which tensor parallelism would split; "
+            "run it on one rank (tensor_parallel_size=1)"
+        )
     problem = _split_problem(arch, tp)
     if problem:
         sizes = [n for n in range(1, arch.num_heads + 1) if not _split_problem(arch, n)]

@@ -72,6 +72,7 @@ class AttentionBackend(ABC):
     the reference operators)."""
 
     name: str
+    implements_softcap: bool = False  # whether forward takes `softcap` (Gemma 2's capped scores)
 
     @abstractmethod
     def build_metadata(self, step: AttentionStep) -> Any:
@@ -87,9 +88,11 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         metadata: Any,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] in the step's row order. Writes k, v at their slots (rounded to the
-        cache's dtype) and returns the attention output [T, Hq, D]."""
+        cache's dtype) and returns the attention output [T, Hq, D]. softcap: scores become
+        softcap * tanh(scores / softcap) before the softmax; only given to a backend that `implements_softcap`."""
 
     def is_decode_only(self, metadata: Any) -> bool:
         """Whether the step holds decode rows only and its metadata is what the platform's fused decode layer

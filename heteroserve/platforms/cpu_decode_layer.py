@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from heteroserve.model.arch import ImplementedTraits, unimplemented_traits
 from heteroserve.platforms.cpu_int4 import CpuInt4Weight
 from heteroserve.platforms.cpu_packed import CpuPackedWeight
 from heteroserve.platforms.operators import DecodeLayerWeights
@@ -20,6 +21,16 @@ from heteroserve.platforms.operators import DecodeLayerWeights
 FUSED_FORMATS: dict[type, Callable[..., list[torch.Tensor]]] = {
     CpuPackedWeight: lambda p: [p.packed],
     CpuInt4Weight: lambda p: [p.packed, p.scale_zero],
+}
+
+
+# The layer traits decode_layer.cpp implements: q/k/v biases, per-head q/k norms, sliding windows (through the
+# decode mask) and any rotary table (the layer's own cos/sin).
+IMPLEMENTED_TRAITS: ImplementedTraits = {
+    "qkv_bias": None,
+    "qk_norm": frozenset({"head"}),
+    "sliding_window": None,
+    "rotary": None,
 }
 
 
@@ -65,10 +76,9 @@ class CpuFusedDecodeLayer:
 
 def fuse_decode_layer(w: DecodeLayerWeights) -> CpuFusedDecodeLayer | None:
     """Layers in float32 or bfloat16 (the norms' dtype) whose projections are all `_fusable`; others (8-bit
-    weights, act-order permutations, a float32 projection among bfloat16 ones), and layers with a trait the C++
-    layer lacks (M-RoPE, tensor parallelism), stay operator by operator. q/k biases, q/k norms and sliding windows
-    (through the decode mask) it implements."""
-    if w.multimodal_rope or w.tensor_parallel_size != 1:
+    weights, act-order permutations, a float32 projection among bfloat16 ones), and layers with a trait outside
+    IMPLEMENTED_TRAITS, M-RoPE or tensor parallelism, stay operator by operator."""
+    if unimplemented_traits(w.traits, IMPLEMENTED_TRAITS) or w.multimodal_rope or w.tensor_parallel_size != 1:
         return None
     dtype = w.input_norm.dtype
     if dtype not in (torch.float32, torch.bfloat16) or w.cos.dtype != torch.float32:

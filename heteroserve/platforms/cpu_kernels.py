@@ -70,7 +70,9 @@ class PagedDecodeAttention:
 
     kernel_name = "cpp paged decode attention"
 
-    def __call__(self, q, k_cache, v_cache, block_tables, mask, scale: float) -> torch.Tensor:
+    def __call__(self, q, k_cache, v_cache, block_tables, mask, scale: float, softcap: float | None = None):
+        if softcap is not None:
+            raise NotImplementedError("logit soft-capping is not implemented in this kernel")
         return torch.ops.heteroserve.paged_decode_attention(q, k_cache, v_cache, block_tables, mask, scale)
 
 
@@ -79,7 +81,9 @@ class PrefillAttention:
 
     kernel_name = "cpp prefill attention (GEMM tile)"
 
-    def __call__(self, q, keys, values, mask, scale: float) -> torch.Tensor:
+    def __call__(self, q, keys, values, mask, scale: float, softcap: float | None = None) -> torch.Tensor:
+        if softcap is not None:
+            raise NotImplementedError("logit soft-capping is not implemented in this kernel")
         if not torch.ops.heteroserve.prefill_attention_supports(q.shape[-1]):
             return reference_ops.prefill_attention(q, keys, values, mask, scale)
         return torch.ops.heteroserve.prefill_attention(q, keys, values, mask, scale)

@@ -125,24 +125,25 @@ def format_name(weight: object) -> str:
 
 @dataclass(frozen=True)
 class DecodeLayerWeights:
-    """A decoder layer as a fused decode kernel needs it: weights as the linear op prepared them, and every
-    architecture trait the operator-by-operator layer implements, so the fuser can refuse what it does not."""
+    """A decoder layer as a fused decode kernel needs it: weights as the linear op prepared them, and the layer's
+    traits (model.arch.LayerSpec.traits: the blocks where it differs from Llama's), so that a fuser refuses the
+    layers with a trait it does not implement (model.arch.unimplemented_traits)."""
 
-    input_norm: torch.Tensor
-    qk_norms: tuple[torch.Tensor, torch.Tensor] | None  # per-head RMSNorm of q and k (Qwen3)
+    input_norm: torch.Tensor | None  # None where the layer has no pre-norms (a trait)
+    qk_norms: tuple[torch.Tensor, torch.Tensor] | None  # RMSNorm weights of q and k (the qk_norm trait says how)
     qkv: object
     qkv_bias: torch.Tensor | None
     o_proj: object
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor | None
     gate_up: object
     down: object
     eps: float
     num_heads: int
     scale: float
-    cos: torch.Tensor  # the rotary tables [max_positions, head_dim]
+    cos: torch.Tensor  # the layer's rotary tables [max_positions, head_dim]
     sin: torch.Tensor
-    # Architecture traits a fuser may not implement: it returns None for a layer with one it lacks.
-    sliding_window: int | None = None  # keys older than this many positions are masked out
+    traits: dict[str, object]
+    # How the model runs, beyond the layer's blocks: a fuser may not implement these either.
     multimodal_rope: bool = False  # M-RoPE (Qwen2-VL): each rotary column reads one of several position axes
     tensor_parallel_size: int = 1  # >1: the projections are a rank's slices and their outputs are all-reduced
 
@@ -163,6 +164,7 @@ OPERATORS: dict[str, OperatorSpec] = {
     "rms_norm": OperatorSpec(reference_ops.rms_norm),
     "rotary": OperatorSpec(reference_ops.rotary),
     "silu_and_mul": OperatorSpec(reference_ops.silu_and_mul),
+    "gelu_tanh_and_mul": OperatorSpec(reference_ops.gelu_tanh_and_mul),
     "write_kv": OperatorSpec(reference_ops.write_kv, mutates=(2, 3)),
     "prefill_attention": OperatorSpec(reference_ops.prefill_attention),
     "bidirectional_attention": OperatorSpec(reference_ops.bidirectional_attention),
@@ -222,15 +224,25 @@ class OperatorTable:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self.call("silu_and_mul", x)
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.call("gelu_tanh_and_mul", x)
+
     def write_kv(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
     ) -> None:
         self.call("write_kv", k, v, k_cache, v_cache, slots)
 
     def prefill_attention(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        return self.call("prefill_attention", q, keys, values, mask, scale)
+        """softcap: passed to the kernel, as a last argument, only where the layer caps its scores (Gemma 2)."""
+        return self.call("prefill_attention", q, keys, values, mask, scale, *_softcap_argument(softcap))
 
     def bidirectional_attention(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
@@ -245,8 +257,12 @@ class OperatorTable:
         block_tables: torch.Tensor,
         mask: torch.Tensor,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        return self.call("decode_attention", q, k_cache, v_cache, block_tables, mask, scale)
+        """softcap: as in prefill_attention."""
+        return self.call(
+            "decode_attention", q, k_cache, v_cache, block_tables, mask, scale, *_softcap_argument(softcap)
+        )
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         return self.call("argmax_rows", x)
@@ -291,6 +307,11 @@ class OperatorTable:
             kernel_name(self.fuse_decode_layer) if self.fuse_decode_layer else "operator by operator"
         )
         return names
+
+
+def _softcap_argument(softcap: float | None) -> tuple[float, ...]:
+    """A kernel written before soft-capping keeps its signature for the layers that do not cap."""
+    return () if softcap is None else (softcap,)
 
 
 def _to_device(result, device: torch.device):

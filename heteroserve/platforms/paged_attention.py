@@ -50,6 +50,7 @@ class PagedAttentionBackend(AttentionBackend):
     chunk. With `platform.operator_table(dtype, "reference")` it is plain torch."""
 
     name = "paged"
+    implements_softcap = True
 
     def __init__(self, ops: OperatorTable) -> None:
         self.ops = ops
@@ -89,6 +90,7 @@ class PagedAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         ops = self.ops
         ops.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
@@ -96,7 +98,7 @@ class PagedAttentionBackend(AttentionBackend):
         if metadata.num_decodes:
             b = metadata.num_decodes
             out[:b] = ops.decode_attention(
-                q[:b], k_cache, v_cache, metadata.decode_block_tables, metadata.decode_mask, scale
+                q[:b], k_cache, v_cache, metadata.decode_block_tables, metadata.decode_mask, scale, softcap
             )
         for chunk in metadata.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.num_queries)
@@ -106,7 +108,7 @@ class PagedAttentionBackend(AttentionBackend):
                 context = chunk.start_pos + chunk.num_queries
                 keys = k_cache.index_select(0, chunk.block_ids).flatten(0, 1)[:context].to(q.dtype)
                 values = v_cache.index_select(0, chunk.block_ids).flatten(0, 1)[:context].to(q.dtype)
-            out[rows] = ops.prefill_attention(q[rows], keys, values, chunk.mask, scale)
+            out[rows] = ops.prefill_attention(q[rows], keys, values, chunk.mask, scale, softcap)
         return out
 
     def is_decode_only(self, metadata: AttentionMetadata) -> bool:

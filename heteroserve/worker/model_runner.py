@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -126,10 +126,13 @@ class ModelRunner:
             self.block_size,
             [(item.block_ids, item.start, item.num_new_tokens) for item in items],
             sum(1 for item in items if item.decode_rows),
-            self.arch.sliding_window,
+            None,
             self.device,
         )
-        meta = self.attn_backend.build_metadata(step)
+        meta = {
+            window: self.attn_backend.build_metadata(replace(step, sliding_window=window))
+            for window in self.arch.sliding_windows
+        }
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         injected = None
         if self.images is not None and any(item.request.multimodal is not None for item in items):

@@ -7,9 +7,9 @@ import torch
 
 from heteroserve.lora.batch import LoRABatch
 from heteroserve.lora.slots import LoRASlots
-from heteroserve.model.arch import ModelArch
+from heteroserve.model.arch import LayerSpec, ModelArch
 
-ARCH = ModelArch("llama", 64, 32, 2, 4, 2, 8, 48, 1e-5, False, False, False, None, 128)
+ARCH = ModelArch("llama", 64, 32, 2, 4, 2, 8, 48, 1e-5, False, 128, (LayerSpec(),) * 2, {}, 8**-0.5)
 
 
 @pytest.fixture(scope="module")

@@ -41,20 +41,44 @@ def test_checkpoint_exercises_its_architecture(tiny):
         assert any(n.endswith("q_norm.weight") and (t - 1).abs().max() > 0.1 for n, t in tensors.items())
         assert config.head_dim * config.num_attention_heads != config.hidden_size
 
-    # Where a config feature is the point (sliding window, llama3 rope), it changes transformers' logits.
+    # Where a config feature is the point (windows, rope variants, caps, multipliers), it changes transformers'
+    # logits: each change below, alone, moves them.
+    full = ["full_attention"] * 3
     changes = {
-        "mistral": {"sliding_window": None},
-        "llama3": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
-    }.get(tiny.name)
-    if changes:
-        ids = prompts(99, [40], config.vocab_size)[0]
+        "mistral": [{"sliding_window": None}],
+        "llama3": [{"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}],
+        "gemma2": [{"attn_logit_softcapping": None}, {"final_logit_softcapping": None}, {"layer_types": full}],
+        "gemma3": [
+            {"layer_types": full},
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                }
+            },
+        ],
+        "phi3": [
+            {"sliding_window": None},
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}},
+        ],
+        "glm": [{"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}}],
+        "smollm3": [{"no_rope_layers": [1, 1, 1]}],
+        "granite": [
+            {"embedding_multiplier": 1.0},
+            {"residual_multiplier": 1.0},
+            {"attention_multiplier": 0.25},
+            {"logits_scaling": 1.0},
+        ],
+    }.get(tiny.name, [])
+    ids = prompts(99, [40], config.vocab_size)[0]
+    base = tiny.reference.logits(ids)
+    for change in changes:
         variant = AutoModelForCausalLM.from_pretrained(
-            tiny.folder, dtype=torch.float32, attn_implementation="eager", **changes
+            tiny.folder, dtype=torch.float32, attn_implementation="eager", **change
         ).eval()
         with torch.inference_mode():
             other = variant(torch.tensor([ids])).logits[0]
-        base = tiny.reference.logits(ids)
-        assert (other - base).abs().max() > 0.1 * base.abs().max()
+        assert (other - base).abs().max() > 0.1 * base.abs().max(), f"{tiny.name}: {change} changes nothing"
 
 
 def test_single_prompt(tiny, greedy_comparison):

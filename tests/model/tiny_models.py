@@ -67,6 +67,65 @@ SPECS: dict[str, tuple[str, dict]] = {
     "qwen2": ("qwen2", {"tie_word_embeddings": False, "use_sliding_window": False}),
     # head_dim 32 != hidden / heads, as in real Qwen3 checkpoints.
     "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True, "use_sliding_window": False}),
+    # Gemma: GeGLU, 1 + w norms, embeddings scaled by sqrt(hidden).
+    "gemma": ("gemma", {"tie_word_embeddings": True}),
+    # Gemma 2: sandwich norms, alternating 8-token windows, caps low enough to bite on these logits, a query
+    # scale other than head_dim's.
+    "gemma2": (
+        "gemma2",
+        {
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 5.0,
+            "query_pre_attn_scalar": 24,
+        },
+    ),
+    # Gemma 3: per-head q/k norms, local layers on their own rotary base, linear scaling on the global ones.
+    "gemma3": (
+        "gemma3_text",
+        {
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "query_pre_attn_scalar": 24,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        },
+    ),
+    # Phi-3: fused qkv and gate_up checkpoints, partial rotary (Phi-4-mini's 0.75), a window on every layer.
+    "phi3": (
+        "phi3",
+        {
+            "tie_word_embeddings": False,
+            "sliding_window": 8,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75},
+        },
+    ),
+    # GLM: half of each head rotated, in adjacent pairs; q/k/v biases; fused gate_up.
+    "glm": ("glm", {"tie_word_embeddings": False, "attention_bias": True}),
+    # GLM-4: the same with post-norms on the attention and MLP outputs.
+    "glm4": ("glm4", {"tie_word_embeddings": False, "attention_bias": True}),
+    # ERNIE 4.5: adjacent-pair rotary over the whole head, biases on every projection.
+    "ernie4_5": ("ernie4_5", {"tie_word_embeddings": True, "use_bias": True}),
+    # SmolLM3: the middle layer has no position encoding.
+    "smollm3": ("smollm3", {"tie_word_embeddings": True, "no_rope_layers": [1, 0, 1], "use_sliding_window": False}),
+    # Granite: embedding, residual, attention and logit multipliers; biases everywhere.
+    "granite": (
+        "granite",
+        {
+            "tie_word_embeddings": False,
+            "embedding_multiplier": 3.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.1,
+            "logits_scaling": 0.5,
+            "attention_bias": True,
+            "mlp_bias": True,
+        },
+    ),
+    # OLMo 2: no pre-norms, norms on the sublayer outputs, q/k normalised over all heads.
+    "olmo2": ("olmo2", {"tie_word_embeddings": False}),
 }
 
 

@@ -1,9 +1,9 @@
 """Which architecture traits and weight formats each decoder-layer path implements, and that the CPU fuser
 refuses a layer with anything its C++ layer does not (the layer then runs operator by operator).
 
-The operator-by-operator layer (heteroserve.model.decoder) implements every trait listed here; the fused
-one's numerics for the traits it accepts are checked in test_cpu_decode_layer.py. A trait added to the
-decoder belongs in this table, with the fuser's answer for it."""
+The operator-by-operator layer (heteroserve.model.decoder) implements every trait of model.arch.LayerSpec; the
+fused one's numerics for the traits it accepts are checked in test_cpu_decode_layer.py. Every LayerSpec field
+has a row in LAYER_TRAITS with the fuser's expected answer, so a new trait fails here until someone decides it."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from heteroserve.model.arch import LayerSpec
 from heteroserve.platforms.cpu_decode_layer import fuse_decode_layer
 from heteroserve.platforms.cpu_int4 import CpuInt4Weight
 from heteroserve.platforms.cpu_int8 import CpuGroupedInt8Weight, CpuInt8Weight
@@ -54,6 +55,7 @@ def _layer() -> DecodeLayerWeights:
         scale=HEAD_DIM**-0.5,
         cos=torch.ones(POSITIONS, HEAD_DIM),
         sin=torch.zeros(POSITIONS, HEAD_DIM),
+        traits={},
     )
 
 
@@ -61,12 +63,28 @@ def _projections(make: Callable[[], object]) -> Callable[[DecodeLayerWeights], D
     return lambda w: dataclasses.replace(w, qkv=make(), o_proj=make(), gate_up=make(), down=make())
 
 
-# trait -> (how a layer gets it, whether the CPU fused layer implements it).
+def _trait(name: str, value: object, **weights) -> Callable[[DecodeLayerWeights], DecodeLayerWeights]:
+    return lambda w: dataclasses.replace(w, traits={name: value}, **weights)
+
+
+# LayerSpec field -> (a layer with it, whether the CPU fused layer implements it).
+LAYER_TRAITS: dict[str, tuple[Callable[[DecodeLayerWeights], DecodeLayerWeights], bool]] = {
+    "qkv_bias": (_trait("qkv_bias", True, qkv_bias=torch.zeros(3 * HIDDEN)), True),
+    "qk_norm": (_trait("qk_norm", "head", qk_norms=(torch.ones(HEAD_DIM), torch.ones(HEAD_DIM))), True),
+    "sliding_window": (_trait("sliding_window", 4), True),
+    "rotary": (_trait("rotary", "local"), True),
+    "o_bias": (_trait("o_bias", True), False),
+    "attn_softcap": (_trait("attn_softcap", 50.0), False),
+    "pre_norms": (_trait("pre_norms", False, input_norm=None, post_norm=None), False),
+    "output_norms": (_trait("output_norms", True), False),
+    "activation": (_trait("activation", "gelu_tanh"), False),
+    "mlp_bias": (_trait("mlp_bias", True), False),
+    "residual_scale": (_trait("residual_scale", 0.5), False),
+}
+# Other things a layer may have -> (how it gets it, whether the fused layer takes it).
 TRAITS: dict[str, tuple[Callable[[DecodeLayerWeights], DecodeLayerWeights], bool]] = {
     "plain float32 layer": (lambda w: w, True),
-    "qkv bias": (lambda w: dataclasses.replace(w, qkv_bias=torch.zeros(3 * HIDDEN)), True),
-    "q/k norm": (lambda w: dataclasses.replace(w, qk_norms=(torch.ones(HEAD_DIM), torch.ones(HEAD_DIM))), True),
-    "sliding window": (lambda w: dataclasses.replace(w, sliding_window=4), True),
+    "q/k norm over all heads": (_trait("qk_norm", "projection", qk_norms=(torch.ones(HIDDEN),) * 2), False),
     "M-RoPE": (lambda w: dataclasses.replace(w, multimodal_rope=True), False),
     "tensor parallel": (lambda w: dataclasses.replace(w, tensor_parallel_size=2), False),
     "bfloat16 activations": (lambda w: dataclasses.replace(w, input_norm=w.input_norm.bfloat16()), False),
@@ -78,6 +96,7 @@ TRAITS: dict[str, tuple[Callable[[DecodeLayerWeights], DecodeLayerWeights], bool
     "8-bit grouped weights": (_projections(lambda: CpuGroupedInt8Weight(_int8())), False),
     "8-bit per-channel weights": (_projections(lambda: CpuInt8Weight(_int8(), torch.ones(HIDDEN))), False),
     "act-order weights": (_projections(lambda: PermutedInput(_packed(), torch.arange(HIDDEN))), False),
+    **{f"layer trait {name}": row for name, row in LAYER_TRAITS.items()},
 }
 
 
@@ -87,9 +106,14 @@ def test_cpu_fuser_takes_exactly_the_traits_it_implements(trait):
     assert (fuse_decode_layer(give(_layer())) is not None) == fused
 
 
+def test_every_layer_trait_has_a_decided_answer():
+    """A new LayerSpec field (a block some family uses) must be added to LAYER_TRAITS."""
+    assert set(LAYER_TRAITS) == {f.name for f in dataclasses.fields(LayerSpec)}
+
+
 def test_every_decode_layer_field_is_a_listed_trait():
-    """A new field on DecodeLayerWeights (a new trait the decoder hands the fuser) must be added to TRAITS."""
-    covered = {"qkv_bias", "qk_norms", "sliding_window", "multimodal_rope", "tensor_parallel_size"}
+    """A new field on DecodeLayerWeights (something the decoder hands the fuser) must be covered above."""
+    covered = {"qkv_bias", "qk_norms", "traits", "multimodal_rope", "tensor_parallel_size"}
     weights_and_sizes = {"input_norm", "post_norm", "qkv", "o_proj", "gate_up", "down", "eps", "num_heads"}
     rotary = {"scale", "cos", "sin"}
     assert {f.name for f in dataclasses.fields(DecodeLayerWeights)} == covered | weights_and_sizes | rotary

@@ -45,8 +45,10 @@ def _decoder_hidden(loaded: LoadedModel, ids: torch.Tensor, positions: torch.Ten
     for n, count in zip(seq_lens, blocks, strict=True):
         requests.append((list(range(first_block, first_block + count)), 0, n))
         first_block += count
-    step = AttentionStep.of(BLOCK_SIZE, requests, 0, arch.sliding_window, "cpu")
-    meta = loaded.model.attn_backend.build_metadata(step)
+    backend = loaded.model.attn_backend
+    meta = {
+        w: backend.build_metadata(AttentionStep.of(BLOCK_SIZE, requests, 0, w, "cpu")) for w in arch.sliding_windows
+    }
     return loaded.model(ids, positions, caches, meta)
 
 

@@ -12,30 +12,53 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from heteroserve.model.arch import RotarySpec
 from heteroserve.platforms.operators import OperatorTable
 
+# Rope types whose frequencies change with the sequence's length in transformers (a table fixed at load would give
+# other numbers past the original context).
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
-def inverse_frequencies(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Frequencies and output scale for the config's rope type (transformers' formulas for scaled types)."""
-    params = config.rope_parameters
+
+def inverse_frequencies(config: PretrainedConfig, spec: RotarySpec) -> tuple[torch.Tensor, float]:
+    """The spec's rotary_dim / 2 frequencies and output scale for the config's rope type (transformers' formulas
+    for scaled types)."""
+    if spec.rotary_dim == 0:
+        return torch.zeros(0), 1.0
+    params = config.rope_parameters if spec.layer_type is None else config.rope_parameters[spec.layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
-        base = params["rope_theta"]
-        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
-    if rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
+        base, dim = params["rope_theta"], spec.rotary_dim
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    if rope_type in LENGTH_DEPENDENT_ROPE or rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope type {rope_type!r} is not supported")
-    return ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    kwargs = {} if spec.layer_type is None else {"layer_type": spec.layer_type}
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
+    if inv_freq.numel() != spec.rotary_dim // 2:
+        raise ValueError(
+            f"rope type {rope_type!r} gave {inv_freq.numel()} frequencies for {spec.rotary_dim} dimensions"
+        )
+    return inv_freq, scale
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, ops: OperatorTable) -> None:
+    """cos/sin tables [max_positions, head_dim] in rotate-half layout: column j pairs with j + head_dim / 2. With
+    partial rotary the first rotary_dim / 2 columns of each half rotate and the rest have cos 1, sin 0 (the loader
+    orders q/k rows to match: ModelArch.qk_row_order); rotary_dim 0 is a layer without position encoding."""
+
+    def __init__(
+        self, config: PretrainedConfig, spec: RotarySpec, head_dim: int, max_positions: int, ops: OperatorTable
+    ) -> None:
         super().__init__()
         self.ops = ops
-        inv_freq, scale = inverse_frequencies(config, head_dim)
+        inv_freq, scale = inverse_frequencies(config, spec)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        cos = torch.ones(max_positions, head_dim // 2)
+        sin = torch.zeros(max_positions, head_dim // 2)
+        cos[:, : inv_freq.numel()] = freqs.cos() * scale
+        sin[:, : inv_freq.numel()] = freqs.sin() * scale
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((sin, sin), dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hkv, D]; rotate-half convention (Hugging Face layout)."""
@@ -49,8 +72,10 @@ INTERLEAVED_MROPE = ("qwen3_vl_text",)
 class MRotaryEmbedding(RotaryEmbedding):
     """M-RoPE: frequency column j reads position axis `axis_of_column[j]` (the config's `mrope_section`)."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int, ops: OperatorTable) -> None:
-        super().__init__(config, head_dim, max_positions, ops)
+    def __init__(
+        self, config: PretrainedConfig, spec: RotarySpec, head_dim: int, max_positions: int, ops: OperatorTable
+    ) -> None:
+        super().__init__(config, spec, head_dim, max_positions, ops)
         sections = list(config.rope_parameters["mrope_section"])
         if sum(sections) != head_dim // 2 or len(sections) != 3:
             raise ValueError(
@@ -78,9 +103,9 @@ class MRotaryEmbedding(RotaryEmbedding):
 
 
 def rotary_embedding(
-    config: PretrainedConfig, head_dim: int, max_positions: int, ops: OperatorTable
+    config: PretrainedConfig, spec: RotarySpec, head_dim: int, max_positions: int, ops: OperatorTable
 ) -> RotaryEmbedding:
     """M-RoPE where the config has an `mrope_section`, plain rotary otherwise."""
     if "mrope_section" in (getattr(config, "rope_parameters", None) or {}):
-        return MRotaryEmbedding(config, head_dim, max_positions, ops)
-    return RotaryEmbedding(config, head_dim, max_positions, ops)
+        return MRotaryEmbedding(config, spec, head_dim, max_positions, ops)
+    return RotaryEmbedding(config, spec, head_dim, max_positions, ops)

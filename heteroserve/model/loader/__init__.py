@@ -9,16 +9,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from heteroserve.config import ModelConfig
 from heteroserve.distributed.parallel_state import ParallelGroups
-from heteroserve.model.arch import VISION_LANGUAGE, ModelArch
+from heteroserve.model.arch import ModelArch
 from heteroserve.model.decoder import DecoderModel
 from heteroserve.model.encoder import ENCODER_TYPES, EncoderArch, EncoderModel
+from heteroserve.model.families import VISION_LANGUAGE
 from heteroserve.model.layers.pooler import Pooler
+from heteroserve.model.loader.canonical_tensors import canonical_tensors
 from heteroserve.model.loader.encoder_weights import ENCODER_PROJECTIONS, load_encoder_weights
 from heteroserve.model.loader.gguf_loader import gguf_config, iterate_gguf, open_gguf
+from heteroserve.model.loader.model_config import read_model_config
 from heteroserve.model.loader.pooling_checkpoint import (
     SentenceTransformersConfig,
     build_pooler,
@@ -28,6 +31,7 @@ from heteroserve.model.loader.pooling_checkpoint import (
     model_task,
     read_sentence_transformers,
 )
+from heteroserve.model.loader.remote_code_layouts import remote_code_layout
 from heteroserve.model.loader.safetensors_loader import iterate_safetensors
 from heteroserve.model.loader.source import ModelSource, resolve_model
 from heteroserve.model.loader.weights import load_weights, quantize_projections
@@ -87,10 +91,7 @@ def load_model(
         checkpoint_dtype = torch.float32  # of the tensors that are dequantised
         tensors = iterate_gguf(reader, hf_config, keep_quantized=quantization != "none")
     else:
-        try:
-            hf_config = AutoConfig.from_pretrained(source.folder)
-        except (ValueError, OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{source.folder}/config.json is not a usable model config: {exc}") from exc
+        hf_config = read_model_config(source.folder)
         checkpoint_dtype = _config_dtype(hf_config)
         st = read_sentence_transformers(source.folder)
     task = "generate" if source.gguf_file is not None else model_task(hf_config, st, config.runner)
@@ -110,10 +111,14 @@ def load_model(
         return _load_encoder(source, config, hf_config, st, task, checkpoint_dtype, platform, kernels)
     if source.gguf_file is None:
         tensors = _checkpoint_tensors(source.folder, hf_config, quantization)
+        layout = remote_code_layout(source.folder)
+        if layout is not None:
+            tensors = layout.tensors(tensors, hf_config)
     arch = ModelArch.from_hf_config(hf_config)
     vision_tensors: dict[str, torch.Tensor] = {}
     if hf_config.model_type in VISION_LANGUAGE:
         tensors = split_vision_tensors(tensors, vision_tensors)
+    tensors = canonical_tensors(tensors, arch)
     dtype = platform.resolve_dtype(config.dtype, checkpoint_dtype)
     max_model_len = config.max_model_len or default_max_model_len(st, arch.max_position_embeddings)
     if max_model_len > arch.max_position_embeddings:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-
-from transformers import AutoConfig
 
 from heteroserve.config import ModelConfig
 from heteroserve.model.arch import ModelArch
 from heteroserve.model.encoder import ENCODER_TYPES, EncoderArch
 from heteroserve.model.loader.gguf_loader import gguf_config, open_gguf
+from heteroserve.model.loader.model_config import read_model_config
 from heteroserve.model.loader.pooling_checkpoint import default_max_model_len, model_task, read_sentence_transformers
 from heteroserve.model.loader.source import resolve_model
 
@@ -29,10 +27,7 @@ def checkpoint_limits(config: ModelConfig) -> CheckpointLimits:
     if source.gguf_file is not None:
         arch = ModelArch.from_hf_config(gguf_config(open_gguf(source.gguf_file)))
         return CheckpointLimits(config.max_model_len or arch.max_position_embeddings, pooling=False)
-    try:
-        hf_config = AutoConfig.from_pretrained(source.folder)
-    except (ValueError, OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{source.folder}/config.json is not a usable model config: {exc}") from exc
+    hf_config = read_model_config(source.folder)
     st = read_sentence_transformers(source.folder)
     pooling = model_task(hf_config, st, config.runner) != "generate"
     if hf_config.model_type in ENCODER_TYPES:

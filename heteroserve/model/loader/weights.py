@@ -97,8 +97,9 @@ def load_weights(model: DecoderModel, tensors: Iterable[tuple[str, Weight]], dty
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         attn = layer.self_attn
-        put(layer.input_layernorm.weight, take(p + "input_layernorm.weight", (h,)))
-        put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight", (h,)))
+        for norm in ("input_layernorm", "post_attention_layernorm", "attn_output_norm", "mlp_output_norm"):
+            if getattr(layer, norm) is not None:
+                put(getattr(layer, norm).weight, take(f"{p}{norm}.weight", (h,)))
         qkv = [
             take(p + "self_attn.q_proj.weight", (q_rows, h)),
             take(p + "self_attn.k_proj.weight", (kv_rows, h)),
@@ -106,23 +107,20 @@ def load_weights(model: DecoderModel, tensors: Iterable[tuple[str, Weight]], dty
         ]
         put_linear(attn, "qkv_proj", _cat(qkv, dtype))
         if attn.qkv_bias is not None:
-            put(
-                attn.qkv_bias,
-                torch.cat(
-                    [
-                        take(p + "self_attn.q_proj.bias", (q_rows,)),
-                        take(p + "self_attn.k_proj.bias", (kv_rows,)),
-                        take(p + "self_attn.v_proj.bias", (kv_rows,)),
-                    ]
-                ),
-            )
+            parts = (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
+            put(attn.qkv_bias, torch.cat([take(f"{p}self_attn.{n}_proj.bias", (rows,)) for n, rows in parts]))
         if attn.q_norm is not None:
-            put(attn.q_norm.weight, take(p + "self_attn.q_norm.weight", (d,)))
-            put(attn.k_norm.weight, take(p + "self_attn.k_norm.weight", (d,)))
+            put(attn.q_norm.weight, take(p + "self_attn.q_norm.weight", tuple(attn.q_norm.weight.shape)))
+            put(attn.k_norm.weight, take(p + "self_attn.k_norm.weight", tuple(attn.k_norm.weight.shape)))
         put_linear(attn, "o_proj", take(p + "self_attn.o_proj.weight", (h, q_rows)))
+        if attn.o_bias is not None:
+            put(attn.o_bias, take(p + "self_attn.o_proj.bias", (h,)))
         gate_up = [take(p + "mlp.gate_proj.weight", (inter, h)), take(p + "mlp.up_proj.weight", (inter, h))]
         put_linear(layer, "gate_up_proj", _cat(gate_up, dtype))
         put_linear(layer, "down_proj", take(p + "mlp.down_proj.weight", (h, inter)))
+        if layer.gate_up_bias is not None:
+            put(layer.gate_up_bias, torch.cat([take(f"{p}mlp.{n}_proj.bias", (inter,)) for n in ("gate", "up")]))
+            put(layer.down_bias, take(p + "mlp.down_proj.bias", (h,)))
     unused = [name for name in found if "rotary_emb" not in name]
     if unused:
         raise ValueError(f"checkpoint has tensors this architecture does not use: {unused[:5]}")
