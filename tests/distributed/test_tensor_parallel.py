@@ -67,7 +67,9 @@ def test_tensor_parallel_replicated_kv_head_and_uneven_vocabulary(one_kv_head, g
 def test_tensor_parallel_2_of_families_with_biases_and_soft_capping(family, tmp_path, greedy_comparison):
     """Granite: biases on every projection (the row-parallel ones added once, after the all-reduce) and residual
     multipliers; Gemma 2: soft-capped scores and logits, sandwich norms, alternating windows."""
-    _check_against_transformers(save_tiny(family, tmp_path), greedy_comparison, f"{family} tp=2", tensor_parallel_size=2)
+    _check_against_transformers(
+        save_tiny(family, tmp_path), greedy_comparison, f"{family} tp=2", tensor_parallel_size=2
+    )
 
 
 def test_norm_over_all_heads_refuses_tensor_parallelism(tmp_path):

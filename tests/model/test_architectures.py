@@ -7,12 +7,26 @@ logit scale, and greedy tokens against `generate(do_sample=False)` up to a near-
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from tests.model.tiny_models import SPECS, TinyModel, check_output, greedy_params, prompts, run, save_tiny
+from heteroserve import LLM
+from tests.model.remote_code_checkpoints import write_chatglm, write_original_qwen
+from tests.model.tiny_models import (
+    SPECS,
+    TinyModel,
+    as_reference,
+    build_hf_model,
+    check_output,
+    greedy_params,
+    prompts,
+    run,
+    save_tiny,
+)
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
@@ -135,3 +149,41 @@ def test_reference_kernels(tiny, greedy_comparison):
     assert llm.engine.runner.model.linear.name == "torch.linear"
     outputs = run(llm, token_prompts, greedy_params(tiny.vocab_size))
     _check_all(tiny, "reference-kernels", outputs, token_prompts, greedy_comparison)
+
+
+# Layouts whose code is in the model repositories, against the transformers class of their architecture on the
+# same weights (tests/model/remote_code_checkpoints.py writes them): the original Qwen is Qwen2 with as many KV
+# heads as query heads, ChatGLM2/3 is GLM.
+REMOTE_CODE = {
+    "qwen": ("qwen2", {"num_key_value_heads": 4, "tie_word_embeddings": False}, write_original_qwen),
+    "chatglm": (
+        "glm",
+        {
+            "attention_bias": True,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 2e4, "partial_rotary_factor": 0.5},
+        },
+        write_chatglm,
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(REMOTE_CODE))
+def test_remote_code_layout_matches_its_architecture(layout, tmp_path, greedy_comparison):
+    model_type, overrides, write = REMOTE_CODE[layout]
+    model = build_hf_model(model_type, overrides, seed=40)
+    write(model, tmp_path / layout)
+    assert json.loads((tmp_path / layout / "config.json").read_text())["model_type"] == layout
+    tiny = TinyModel(layout, tmp_path / layout, as_reference(model))
+    token_prompts = prompts(9, [40, 13], tiny.vocab_size)
+    for kernels in ("auto", "reference"):  # the fused decode layer where the platform has one, then without
+        outputs = run(tiny.llm(kernels=kernels, block_size=8), token_prompts, greedy_params(tiny.vocab_size))
+        _check_all(tiny, f"{layout} ({kernels})", outputs, token_prompts, greedy_comparison)
+
+
+def test_original_qwen_context_past_seq_length_is_refused(tmp_path):
+    """Dynamic NTK and log-n attention scaling act past seq_length; the context is held to it."""
+    model = build_hf_model("qwen2", REMOTE_CODE["qwen"][1], seed=41)
+    write_original_qwen(model, tmp_path / "qwen")
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(model=str(tmp_path / "qwen"), max_model_len=512, num_kv_blocks=64)

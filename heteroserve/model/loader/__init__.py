@@ -109,9 +109,9 @@ def load_model(
         )
     if hf_config.model_type in ENCODER_TYPES:
         return _load_encoder(source, config, hf_config, st, task, checkpoint_dtype, platform, kernels)
+    layout = remote_code_layout(source.folder) if source.gguf_file is None else None
     if source.gguf_file is None:
         tensors = _checkpoint_tensors(source.folder, hf_config, quantization)
-        layout = remote_code_layout(source.folder)
         if layout is not None:
             tensors = layout.tensors(tensors, hf_config)
     arch = ModelArch.from_hf_config(hf_config)
@@ -121,6 +121,11 @@ def load_model(
     tensors = canonical_tensors(tensors, arch)
     dtype = platform.resolve_dtype(config.dtype, checkpoint_dtype)
     max_model_len = config.max_model_len or default_max_model_len(st, arch.max_position_embeddings)
+    if max_model_len > arch.max_position_embeddings and layout is not None and layout.context_limit:
+        raise ValueError(
+            f"max_model_len {max_model_len} exceeds the model's {arch.max_position_embeddings} positions: "
+            f"{layout.context_limit}; lower --max-model-len"
+        )
     if max_model_len > arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's %d positions", max_model_len, arch.max_position_embeddings)
     ops = platform.operator_table(dtype, kernels)

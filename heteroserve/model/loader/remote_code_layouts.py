@@ -28,6 +28,8 @@ Tensors = Iterable[tuple[str, object]]
 class RemoteCodeLayout:
     config: Callable[[dict], PretrainedConfig]  # config.json -> the transformers config of the architecture
     tensors: Callable[[Tensors, PretrainedConfig], Iterator[tuple[str, object]]]  # -> that architecture's names
+    # Why the context may not exceed max_position_embeddings (None: it may, with the usual warning).
+    context_limit: str | None = None
 
 
 def _qwen_config(raw: dict) -> PretrainedConfig:
@@ -179,7 +181,12 @@ def _dtype(raw: dict) -> str:
 
 
 LAYOUTS: dict[str, RemoteCodeLayout] = {
-    "qwen": RemoteCodeLayout(_qwen_config, _qwen_tensors),
+    "qwen": RemoteCodeLayout(
+        _qwen_config,
+        _qwen_tensors,
+        "the original Qwen's dynamic NTK rotary scaling and log-n attention scaling, which act past its seq_length, "
+        "are not implemented",
+    ),
     "chatglm": RemoteCodeLayout(_chatglm_config, _chatglm_tensors),
 }
 
