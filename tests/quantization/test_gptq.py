@@ -16,8 +16,9 @@ from heteroserve.platforms.cpu_packed import CpuPackedWeight
 from heteroserve.platforms.operators import LinearOp
 from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.gptq import GptqConfig, gptq_weight
-from tests.model.tiny_models import TinyModel, as_reference, prompts
-from tests.quantization.checkpoints import gptq_quantize, write_quantized
+from tests.model.remote_code_checkpoints import write_original_qwen
+from tests.model.tiny_models import TinyModel, as_reference, build_hf_model, prompts
+from tests.quantization.checkpoints import QUANT_TINY, gptq_quantize, write_quantized
 
 CONFIGS = [
     (bits, group, desc_act, sym)
@@ -157,3 +158,52 @@ def test_bad_gptq_checkpoints_name_the_tensor(gptq_folder, tmp_path, edit_tensor
     tiny = _damaged(gptq_folder, tmp_path, edit_tensors, edit_config)
     with pytest.raises(ValueError, match=message):
         tiny.llm()
+
+
+# The original Qwen's GPTQ projections (Qwen-7B-Chat-Int4's layout) -> the transformers Qwen2 weights they decode to.
+_QWEN_GPTQ = {
+    "attn.c_proj": "self_attn.o_proj",
+    "mlp.w1": "mlp.up_proj",
+    "mlp.w2": "mlp.gate_proj",
+    "mlp.c_proj": "mlp.down_proj",
+}
+
+
+def test_gptq_checkpoint_of_the_original_qwen_loads_packed(tmp_path):
+    """Qwen-7B-Chat-Int4's layout: the fused c_attn is one GPTQ linear, split by rows in its packed form."""
+    settings = {"bits": 4, "group_size": 32, "desc_act": False, "sym": True}
+    model = build_hf_model("qwen2", {**QUANT_TINY, "num_key_value_heads": 4}, seed=6)
+    folder = tmp_path / "qwen-int4"
+    write_original_qwen(model, folder)
+    params = dict(model.named_parameters())
+    size = model.config.num_attention_heads * model.config.head_dim
+    packed = {}
+    with torch.no_grad():
+        for name, tensor in load_file(folder / "model.safetensors").items():
+            layer, _, rest = name.removeprefix("transformer.h.").partition(".")
+            module = rest.removesuffix(".weight")
+            if module != "attn.c_attn" and module not in _QWEN_GPTQ:
+                packed[name] = tensor
+                continue
+            parts, decoded = gptq_quantize(tensor, settings["bits"], settings["group_size"], False, True)
+            packed.update({f"transformer.h.{layer}.{module}.{suffix}": t for suffix, t in parts.items()})
+            if module == "attn.c_attn":
+                for part, rows in zip("qkv", decoded.split(size), strict=True):
+                    params[f"model.layers.{layer}.self_attn.{part}_proj.weight"].copy_(rows)
+            else:
+                params[f"model.layers.{layer}.{_QWEN_GPTQ[module]}.weight"].copy_(decoded)
+    save_file(packed, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", **settings}
+    (folder / "config.json").write_text(json.dumps(config))
+    tiny = TinyModel("qwen gptq", folder, as_reference(model))
+    ids = prompts(3, [40], tiny.vocab_size)[0]
+    expected = torch.log_softmax(tiny.reference.logits(ids), dim=-1)
+    for kernels, tolerance in (("reference", 1e-4), ("auto", 5e-2)):
+        llm = tiny.llm(kernels=kernels)
+        assert not isinstance(llm.engine.runner.model.layers[0].self_attn.qkv_proj, torch.Tensor)
+        out = llm.generate({"prompt_token_ids": ids}, _prompt_logprobs(tiny.vocab_size), use_tqdm=False)[0]
+        for i in range(1, len(ids)):
+            ours = torch.tensor([out.prompt_logprobs[i][t].logprob for t in range(tiny.vocab_size)])
+            scale = max(1.0, float(expected[i - 1].abs().max()))
+            assert float((ours - expected[i - 1]).abs().max()) <= tolerance * scale, (kernels, i)
