@@ -1,4 +1,9 @@
-"""Maps requests to KV blocks: prefix-cache lookup, slot allocation as tokens arrive, and freeing."""
+"""Maps requests to KV blocks: prefix-cache lookup, slot allocation as tokens arrive, and freeing.
+
+One manager serves the layers of one attention kind (a KV group, kv_cache_groups.py). For layers with a sliding
+window it releases each request's blocks that have fallen out of the window: a block table keeps its length (a
+token's block is still at index position // block_size) and a released entry reads RELEASED_BLOCK, which the
+attention mask hides."""
 
 from __future__ import annotations
 
@@ -14,15 +19,26 @@ class PrefixCacheStats:
     hits: int = 0  # prompt tokens found cached
 
 
+# The block id a released table entry reads: any valid block serves, as no query attends to its positions.
+RELEASED_BLOCK = 0
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.stats = PrefixCacheStats()
-        self._blocks: dict[str, list[KVBlock]] = {}
+        self._blocks: dict[str, list[KVBlock | None]] = {}  # None: released (out of the window)
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}  # leading blocks already offered to the prefix cache
 
@@ -31,7 +47,11 @@ class KVCacheManager:
         return self.pool.num_used_blocks / self.pool.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        return [RELEASED_BLOCK if b is None else b.block_id for b in self._blocks.get(request_id, ())]
+
+    def num_live_blocks(self, request_id: str) -> int:
+        """The blocks the request holds (those released out of its window not counted)."""
+        return sum(1 for b in self._blocks.get(request_id, ()) if b is not None)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -56,25 +76,52 @@ class KVCacheManager:
         self.stats.queries += num_tokens
         self.stats.hits += num_hit_tokens
 
+    def can_allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[KVBlock] = ()) -> bool:
+        """Whether `allocate_slots` would succeed (nothing changes)."""
+        owned = self._blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
+        needed = self.blocks_needed(num_computed + num_new_tokens) - len(owned) - len(cached_blocks)
+        needed -= self._releasable(request.request_id, num_computed, len(owned) + len(cached_blocks))
+        reclaimable_hits = sum(1 for b in cached_blocks if b.ref_count == 0)
+        return needed <= self.pool.num_free_blocks - reclaimable_hits
+
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[KVBlock] = ()) -> bool:
-        """Makes room for `num_new_tokens` after the computed (and newly cached) ones; False if blocks run out."""
+        """Makes room for `num_new_tokens` after the computed (and newly cached) ones; False if blocks run out.
+        With a sliding window, the blocks no query from here on can see are released first."""
+        if not self.can_allocate(request, num_new_tokens, cached_blocks):
+            return False
         owned = self._blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
-        total = num_computed + num_new_tokens
-        needed = self.blocks_needed(total) - len(owned) - len(cached_blocks)
-        reclaimable_hits = sum(1 for b in cached_blocks if b.ref_count == 0)
-        if needed > self.pool.num_free_blocks - reclaimable_hits:
-            if not owned:
-                del self._blocks[request.request_id]
-            return False
         self.pool.touch(list(cached_blocks))
         owned.extend(cached_blocks)
+        self._release_outside_window(owned, num_computed)
+        needed = self.blocks_needed(num_computed + num_new_tokens) - len(owned)
         if needed > 0:
             owned.extend(self.pool.allocate(needed))
         return True
 
+    def _first_visible_block(self, num_computed: int) -> int:
+        """The first block a query at position >= num_computed can attend to: keys after num_computed - window."""
+        return max(0, (num_computed - self.sliding_window + 1) // self.block_size)
+
+    def _releasable(self, request_id: str, num_computed: int, num_blocks: int) -> int:
+        """Blocks of the request's `num_blocks` that allocating after `num_computed` tokens would release."""
+        if self.sliding_window is None:
+            return 0
+        owned = self._blocks.get(request_id, [])
+        end = min(self._first_visible_block(num_computed), num_blocks)
+        return sum(1 for b in owned[:end] if b is not None)
+
+    def _release_outside_window(self, owned: list[KVBlock | None], num_computed: int) -> None:
+        if self.sliding_window is None:
+            return
+        end = min(self._first_visible_block(num_computed), len(owned))
+        released = [b for b in owned[:end] if b is not None]
+        owned[:end] = [None] * end
+        self.pool.free(list(reversed(released)))
+
     def free(self, request: Request) -> None:
-        blocks = self._blocks.pop(request.request_id, [])
+        blocks = [b for b in self._blocks.pop(request.request_id, []) if b is not None]
         self.pool.free(list(reversed(blocks)))
         self._hashes.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
@@ -116,6 +163,8 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request)
         for i in range(start, num_full):
+            if owned[i] is None:  # released out of the window before it was offered
+                continue
             parent = hashes[i - 1] if i else None
             self.pool.cache(owned[i], hashes[i], parent, self._block_key(request, i))
         self._num_registered[rid] = num_full

@@ -120,7 +120,10 @@ class EngineArgs:
         parse=byte_size,
         metavar="BYTES",
     )
-    num_kv_blocks: int | None = _setting(None, "KV-cache blocks to allocate, overriding the memory budget")
+    num_kv_blocks: int | None = _setting(
+        None,
+        "KV-cache blocks to allocate, overriding the memory budget (per KV group: windowed layers have their own)",
+    )
     gpu_memory_utilization: float | None = _setting(
         None,
         "devices: share of device memory for weights + KV cache (default 0.9); CPU: use --kv-cache-memory-bytes",

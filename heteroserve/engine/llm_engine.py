@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from heteroserve.config import REASONING_FORMATS, EngineConfig
-from heteroserve.core.kv_cache_manager import KVCacheManager
+from heteroserve.core.kv_cache_groups import KVCacheGroups
 from heteroserve.core.ngram_proposer import NgramProposer
 from heteroserve.core.request import Request, RequestStatus
 from heteroserve.core.scheduler import Scheduler, SchedulerStats
@@ -62,7 +62,7 @@ class LLMEngine:
             )
         # A pooling request's hidden states are all needed (and an encoder's keys are bidirectional): no prefix reuse.
         prefix_caching = config.cache.enable_prefix_caching and not pooling
-        kv_cache = KVCacheManager(info.num_blocks, config.cache.block_size, prefix_caching)
+        kv_cache = KVCacheGroups(info.kv_groups, config.cache.block_size, prefix_caching)
         proposer = NgramProposer(config.speculative) if config.speculative is not None else None
         self.scheduler = Scheduler(config.scheduler, kv_cache, proposer)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -80,7 +80,8 @@ class LLMEngine:
         self.pooling_tokenizer = PoolingTokenizer(self.tokenizer, self.pooler_spec, self.max_model_len)
         self._lora_arch = ModelArch.from_hf_config(self.hf_config) if config.lora is not None else None
         self._lora_adapters: dict[int, LoRARequest] = {}  # adapters checked against the model, by id
-        tokens = info.num_blocks * config.cache.block_size
+        full = info.kv_groups[0]  # the full-attention layers' group where there is one
+        tokens = full.num_blocks * config.cache.block_size
         parallel = config.parallel
         if pooling:
             spec = self.pooler_spec
@@ -106,12 +107,19 @@ class LLMEngine:
             parallel.pipeline_parallel_size,
             str(self.dtype).removeprefix("torch."),
             str(self.kv_cache_dtype).removeprefix("torch."),
-            info.num_blocks,
+            full.num_blocks,
             config.cache.block_size,
             tokens,
             tokens / self.max_model_len,
             self.max_model_len,
         )
+        for group in info.kv_groups:
+            if group.sliding_window is not None:
+                logger.info(
+                    "KV cache of the layers with a %d-token window: %d blocks, each request holding only its window's",
+                    group.sliding_window,
+                    group.num_blocks,
+                )
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json defaults applied, as vLLM does."""

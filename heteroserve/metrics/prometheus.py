@@ -226,7 +226,7 @@ class ServerMetrics:
             "enable_prefix_caching": cache.enable_prefix_caching,
             "gpu_memory_utilization": cache.gpu_memory_utilization,
             "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,
-            "num_gpu_blocks": engine.scheduler.kv_cache.pool.num_blocks,
+            "num_gpu_blocks": engine.scheduler.kv_cache.num_blocks,
         }
         Gauge(
             PREFIX + "cache_config_info",

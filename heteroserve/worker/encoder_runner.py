@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from heteroserve.config import CacheConfig, SchedulerConfig
+from heteroserve.core.kv_cache_groups import KVGroupSpec
 from heteroserve.core.scheduler import SchedulerOutput
 from heteroserve.model.loader import LoadedModel
 from heteroserve.platforms import Platform
@@ -25,6 +26,7 @@ class EncoderRunner:
         # of max_model_len, so only the token budget and max_num_seqs bound a step.
         blocks_per_request = -(-loaded.max_model_len // cache_config.block_size)
         self.num_blocks = cache_config.num_kv_blocks or scheduler_config.max_num_seqs * blocks_per_request
+        self.kv_groups = [KVGroupSpec(None, self.num_blocks)]
 
     def release(self, request_id: str) -> None:
         """Nothing is kept per request between steps."""

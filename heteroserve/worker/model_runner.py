@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from heteroserve.config import CacheConfig, LoRAConfig
+from heteroserve.core.kv_cache_groups import KVGroupSpec
 from heteroserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from heteroserve.lora.manager import LoRAManager
 from heteroserve.model.layers.pooler import Pooler
@@ -60,7 +61,9 @@ class ModelRunner:
         cache_config: CacheConfig,
         seed: int,
         lora_config: LoRAConfig | None = None,
+        max_num_batched_tokens: int = 2048,
     ) -> None:
+        """max_num_batched_tokens: the scheduler's step budget, which a sliding window's KV group is sized by."""
         self.model = loaded.model
         self.arch = loaded.model.arch
         self.platform = platform
@@ -69,26 +72,33 @@ class ModelRunner:
         self.cache_dtype = kv_cache_dtype(cache_config.kv_cache_dtype, loaded.dtype)
         self.block_size = cache_config.block_size
         self.stop_ids = [loaded.eos_token_id] if loaded.eos_token_id is not None else []
-        self.num_blocks = (
-            cache_config.num_kv_blocks
-            or platform.kv_cache_budget_bytes(cache_config.kv_cache_memory_bytes, cache_config.gpu_memory_utilization)
-            // self.bytes_per_block()
-        )
-        if self.num_blocks * self.block_size < loaded.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {self.num_blocks} blocks of {self.block_size} tokens, fewer than one "
-                f"request of max_model_len={loaded.max_model_len}; raise --kv-cache-memory-bytes "
-                "(kv_cache_memory_bytes) or lower --max-model-len (max_model_len)"
+        self.windows = self.arch.sliding_windows  # one KV group per window, in this order
+        self.group_layers = [
+            [i for i, spec in enumerate(self.arch.layers) if spec.sliding_window == window] for window in self.windows
+        ]
+        budget = None
+        if not cache_config.num_kv_blocks:
+            budget = platform.kv_cache_budget_bytes(
+                cache_config.kv_cache_memory_bytes, cache_config.gpu_memory_utilization
             )
-        shape = (
-            self.arch.num_layers,
-            2,
-            self.num_blocks,
-            self.block_size,
-            self.arch.num_kv_heads,
-            self.arch.head_dim,
+        self.kv_groups = self._size_groups(
+            budget, cache_config.num_kv_blocks, loaded.max_model_len, max_num_batched_tokens
         )
-        self.kv_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+        self.num_blocks = self.kv_groups[0].num_blocks
+        # One tensor per group [its layers, 2, blocks, block_size, kv heads, head_dim]; layer i reads its slice.
+        self.kv_caches = [
+            torch.zeros(
+                (len(layers), 2, group.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim),
+                dtype=self.cache_dtype,
+                device=self.device,
+            )
+            for layers, group in zip(self.group_layers, self.kv_groups, strict=True)
+        ]
+        self.kv_cache = self.kv_caches[0]
+        self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = [None] * self.arch.num_layers
+        for layers, cache in zip(self.group_layers, self.kv_caches, strict=True):
+            for j, i in enumerate(layers):
+                self.layer_caches[i] = (cache[j, 0], cache[j, 1])
         self.attn_backend = loaded.model.attn_backend
         self.sampler = Sampler(self.model.ops.argmax_rows)
         self.pooler = loaded.pooler  # a decoder serving embeddings: pooled hidden states instead of tokens
@@ -99,9 +109,42 @@ class ModelRunner:
         self._seeds = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
 
-    def bytes_per_block(self) -> int:
+    def bytes_per_block(self, num_layers: int | None = None) -> int:
+        """Bytes of one block of `num_layers` layers (all of them by default)."""
         a = self.arch
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * self.cache_dtype.itemsize
+        layers = a.num_layers if num_layers is None else num_layers
+        return 2 * layers * self.block_size * a.num_kv_heads * a.head_dim * self.cache_dtype.itemsize
+
+    def _size_groups(
+        self, budget: int | None, num_kv_blocks: int | None, max_model_len: int, max_num_batched_tokens: int
+    ) -> list[KVGroupSpec]:
+        """Blocks per KV group: `num_kv_blocks` each where given; otherwise the budget is shared so that every group
+        holds the same number of requests at max_model_len, a window's group counting only what its window and one
+        step's tokens need (min(max_model_len, window - 1 + max_num_batched_tokens) tokens and a block)."""
+        bs = self.block_size
+        needs = [
+            -(-max_model_len // bs)
+            if w is None
+            else min(-(-max_model_len // bs), -(-(w - 1 + max_num_batched_tokens) // bs) + 1)
+            for w in self.windows
+        ]
+        if num_kv_blocks:
+            counts = [num_kv_blocks] * len(self.windows)
+        else:
+            per_request = sum(
+                n * self.bytes_per_block(len(layers)) for n, layers in zip(needs, self.group_layers, strict=True)
+            )
+            requests = budget / per_request
+            counts = [int(requests * n) for n in needs]
+        for window, count, need in zip(self.windows, counts, needs, strict=True):
+            if count < need:
+                kind = "full-attention" if window is None else f"sliding-window ({window})"
+                raise ValueError(
+                    f"the KV cache holds {count} blocks of {bs} tokens for the {kind} layers, fewer than one "
+                    f"request of max_model_len={max_model_len} needs ({need}); raise --kv-cache-memory-bytes "
+                    "(kv_cache_memory_bytes) or lower --max-model-len (max_model_len)"
+                )
+        return [KVGroupSpec(w, n) for w, n in zip(self.windows, counts, strict=True)]
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -122,24 +165,24 @@ class ModelRunner:
         for item in items:
             input_ids.extend(item.input_token_ids)
             positions.extend(range(item.start, item.start + item.num_new_tokens))
-        step = AttentionStep.of(
-            self.block_size,
-            [(item.block_ids, item.start, item.num_new_tokens) for item in items],
-            sum(1 for item in items if item.decode_rows),
-            None,
-            self.device,
-        )
-        meta = {
-            window: self.attn_backend.build_metadata(replace(step, sliding_window=window))
-            for window in self.arch.sliding_windows
-        }
+        num_decodes = sum(1 for item in items if item.decode_rows)
+        meta = {}
+        for g, window in enumerate(self.windows):
+            step = AttentionStep.of(
+                self.block_size,
+                [(item.block_ids[g], item.start, item.num_new_tokens) for item in items],
+                num_decodes,
+                window,
+                self.device,
+            )
+            meta[window] = self.attn_backend.build_metadata(step)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         injected = None
         if self.images is not None and any(item.request.multimodal is not None for item in items):
             pos, injected = self.images.prepare(items)  # M-RoPE positions; text-only batches skip this
         else:
             pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        kv = [(layer[0], layer[1]) for layer in self.kv_cache]
+        kv = self.layer_caches
         lora = None
         if slot_of:
             lora = self.lora.batch_for([(slot_of.get(item.request.lora_id), item.num_new_tokens) for item in items])

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from heteroserve.config import EngineConfig
+from heteroserve.core.kv_cache_groups import KVGroupSpec
 from heteroserve.distributed.parallel_state import ParallelGroups, init_parallel_groups
 from heteroserve.model.encoder import EncoderModel
 from heteroserve.model.layers.pooler import PoolerSpec
@@ -37,7 +38,7 @@ class ModelInfo:
     extra_eos_token_ids: list[int]
     sampling_defaults: dict[str, object]
     vocab_size: int
-    num_blocks: int  # the fewest any rank holds: every rank's KV cache must fit the blocks handed out
+    kv_groups: list[KVGroupSpec]  # per KV group the fewest blocks any rank holds: every rank must fit them
     weight_bytes: int  # summed over the ranks
     model_folder: Path  # where the checkpoint (and a VL model's image processor config) lives
     vision_language: bool
@@ -73,9 +74,16 @@ class Worker:
             self.runner = EncoderRunner(loaded, self.platform, config.cache, config.scheduler)
             vocab_size = loaded.model.arch.vocab_size
         else:
-            self.runner = ModelRunner(loaded, self.platform, config.cache, config.model.seed, config.lora)
+            self.runner = ModelRunner(
+                loaded,
+                self.platform,
+                config.cache,
+                config.model.seed,
+                config.lora,
+                config.scheduler.max_num_batched_tokens,
+            )
             vocab_size = loaded.model.shard.full_arch.vocab_size
-        num_blocks, weight_bytes = self._agree(self.runner.num_blocks, loaded.model.weight_bytes())
+        kv_groups, weight_bytes = self._agree(self.runner.kv_groups, loaded.model.weight_bytes())
         self.info = ModelInfo(
             loaded.source.name,
             loaded.tokenizer,
@@ -87,7 +95,7 @@ class Worker:
             loaded.extra_eos_token_ids,
             loaded.sampling_defaults,
             vocab_size,
-            num_blocks,
+            kv_groups,
             weight_bytes,
             loaded.source.folder,
             loaded.vision is not None,
@@ -95,15 +103,16 @@ class Worker:
             loaded.pooler.spec if loaded.pooler is not None else None,
         )
 
-    def _agree(self, num_blocks: int, weight_bytes: int) -> tuple[int, int]:
-        """The fewest KV blocks of any rank and the weights' bytes summed over ranks."""
+    def _agree(self, kv_groups: list[KVGroupSpec], weight_bytes: int) -> tuple[list[KVGroupSpec], int]:
+        """Per KV group the fewest blocks of any rank, and the weights' bytes summed over ranks."""
         if self.groups.world_size == 1:
-            return num_blocks, weight_bytes
-        blocks = torch.tensor([num_blocks])
+            return kv_groups, weight_bytes
+        blocks = torch.tensor([g.num_blocks for g in kv_groups])
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.groups.control_group)
         total = torch.tensor([weight_bytes])
         dist.all_reduce(total, group=self.groups.control_group)
-        return int(blocks), int(total)
+        agreed = [KVGroupSpec(g.sliding_window, int(n)) for g, n in zip(kv_groups, blocks, strict=True)]
+        return agreed, int(total)
 
     def execute(self, step: WireStep) -> dict[str, StepResult] | None:
         """Runs the step on this rank (its copies of the requests updated from the step's deltas); the sampling

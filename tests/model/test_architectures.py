@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from heteroserve import LLM
 from tests.model.remote_code_checkpoints import write_chatglm, write_original_qwen
 from tests.model.tiny_models import (
+    NEW_TOKENS,
     SPECS,
     TinyModel,
     as_reference,
@@ -187,3 +188,38 @@ def test_original_qwen_context_past_seq_length_is_refused(tmp_path):
     write_original_qwen(model, tmp_path / "qwen")
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(model=str(tmp_path / "qwen"), max_model_len=512, num_kv_blocks=64)
+
+
+def test_window_layers_keep_only_their_window(tmp_path, greedy_comparison):
+    """Gemma 3's layers (here: window 8, global, window 8) in two KV groups. The budget is shared so both groups
+    hold as many max_model_len requests, the window's group counting only a window and a step's tokens: the
+    global layers get more context than one pool for all three layers would give. While a long request
+    decodes, the window's layers hold only the blocks the window sees, and the tokens still match transformers."""
+    tiny = save_tiny("gemma3", tmp_path)
+    budget, block = 2**20, 4
+    llm = tiny.llm(num_kv_blocks=None, kv_cache_memory_bytes=budget, block_size=block, max_num_batched_tokens=16)
+    runner = llm.engine.executor.worker.runner
+    assert runner.windows == [8, None]  # the first layer's window first
+    one_layer_block = 2 * block * 2 * 16 * 4  # k and v, 2 KV heads of 16 float32 values
+    groups = {g.sliding_window: g.num_blocks for g in runner.kv_groups}
+    assert groups[8] * 2 * one_layer_block + groups[None] * one_layer_block <= budget
+    one_pool = budget // (3 * one_layer_block)
+    assert groups[None] > 2 * one_pool, (groups, one_pool)
+    print(f"KV groups {groups} against one pool of {one_pool} blocks for all layers")
+
+    prompt = prompts(12, [41], tiny.vocab_size)[0]
+    engine = llm.engine
+    engine.add_request("long", {"prompt_token_ids": prompt}, greedy_params(tiny.vocab_size))
+    kv = engine.scheduler.kv_cache
+    window_group, full_group = kv.managers[kv.windows.index(8)], kv.managers[kv.windows.index(None)]
+    finished, held = [], []
+    while not finished:
+        finished = [o for o in engine.step() if o.finished]
+        tokens = engine.scheduler.running[0].num_computed_tokens if engine.scheduler.running else None
+        if tokens:
+            held.append((full_group.num_live_blocks("long"), window_group.num_live_blocks("long")))
+            assert held[-1][0] == -(-tokens // block)
+            assert held[-1][1] <= -(-(8 - 1 + 16) // block) + 1  # a window and a 16-token step
+    assert held[-1] == (-(-(41 + NEW_TOKENS - 1) // block), 3)  # decoding: 8 keys span at most 3 blocks of 4
+    _check_all(tiny, "gemma3 kv groups", finished, [prompt], greedy_comparison)
+    assert kv.usage == 0.0

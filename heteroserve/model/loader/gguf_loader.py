@@ -1,8 +1,8 @@
-"""GGUF files: architecture and hyper-parameters from the metadata, tensors dequantised with `gguf`.
+"""GGUF files: architecture and hyper-parameters from the metadata, tensors kept compressed or dequantised.
 
-Tensor names follow llama.cpp's convention (blk.N.attn_q, ...). llama.cpp's converter permutes the rows
-of Llama query/key weights so that rotary pairs are interleaved; we undo it to get the Hugging Face
-layout that our rotary embedding (rotate-half) expects.
+Tensor names follow llama.cpp's convention (blk.N.attn_q, ...); each architecture's names, config keys and the
+converter's transforms to undo (Llama's q/k row permutation, Gemma's +1 norms, fused q/k/v) are data in
+gguf_architectures.py, so what leaves here is a Hugging Face checkpoint of the family, for canonical_tensors.
 """
 
 from __future__ import annotations
@@ -17,27 +17,20 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from transformers import AutoConfig, PretrainedConfig
 
+from heteroserve.model.loader.canonical_tensors import split_rows
+from heteroserve.model.loader.gguf_architectures import GLOBAL_TENSORS, GGUFArchitecture, Metadata, gguf_architecture
 from heteroserve.quantization.ggml import BLOCK_BYTES, ggml_weight
 from heteroserve.quantization.int4 import Int4Weight
 from heteroserve.quantization.int8 import Int8Weight
 
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
-_PERMUTED_QK = {"llama", "mistral"}
-
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+# Metadata keys whose meaning no family here implements: refused rather than ignored.
+_REFUSED_KEYS = {
+    "expert_count": "mixture-of-experts layers",
+    "rope.dimension_sections": "M-RoPE sections",
+    "attention.q_lora_rank": "low-rank (MLA) attention",
 }
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Tensors that carry a rotary scaling we do not implement.
+_REFUSED_TENSORS = {"rope_freqs.weight": "llama.cpp's rope_freqs (Llama 3 rope scaling factors)"}
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -63,49 +56,72 @@ def _field(reader: GGUFReader, key: str, default=None):
 
 
 def gguf_config(reader: GGUFReader) -> PretrainedConfig:
-    arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
-    names = {t.name for t in reader.tensors}
-    num_heads = _field(reader, f"{arch}.attention.head_count")
-    hidden = _field(reader, f"{arch}.embedding_length")
+    """The transformers config of the file's family, from the `<arch>.*` keys (gguf_architectures.py)."""
+    arch_name = _field(reader, "general.architecture")
+    arch = gguf_architecture(arch_name)
+
+    def get(key: str, default=None):
+        return _field(reader, f"{arch_name}.{key}", default)
+
+    for key, what in _REFUSED_KEYS.items():
+        if get(key):
+            raise ValueError(f"GGUF key {arch_name}.{key} ({what}) is not supported")
+    names = frozenset(t.name for t in reader.tensors)
+    for name, what in _REFUSED_TENSORS.items():
+        if name in names:
+            raise ValueError(f"GGUF tensor {name} ({what}) is not supported")
+    num_heads = get("attention.head_count")
+    hidden = get("embedding_length")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens else None)
+    vocab = get("vocab_size") or (len(tokens.data) if tokens else None)
     if vocab is None:
         vocab = next(t.shape[1] for t in reader.tensors if t.name == "token_embd.weight")
-    kwargs = {
+    head_dim = get("attention.key_length", hidden // num_heads)
+    common = {
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
-        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
         "num_attention_heads": num_heads,
-        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", num_heads),
-        "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // num_heads),
-        "max_position_embeddings": _field(reader, f"{arch}.context_length", 4096),
-        "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
-        },
+        "num_key_value_heads": get("attention.head_count_kv", num_heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": get("context_length", 4096),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_parameters": _rope_parameters(arch_name, get, head_dim),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
-    if arch == "mistral":
-        kwargs["sliding_window"] = _field(reader, f"{arch}.attention.sliding_window")
-    return AutoConfig.for_model(GGUF_ARCHITECTURES[arch], **kwargs)
+    extra = arch.config(Metadata(get, names, common))
+    return AutoConfig.for_model(arch.model_type, **{**common, **extra})
 
 
-def _hf_name(gguf_name: str) -> str:
+def _rope_parameters(arch_name: str, get, head_dim: int) -> dict:
+    """rope.freq_base, a linear scaling, and a partial rotary where rope.dimension_count is under head_dim."""
+    params = {"rope_type": "default", "rope_theta": get("rope.freq_base", 10000.0)}
+    scaling = get("rope.scaling.type", "none")
+    if scaling == "linear":
+        params = {**params, "rope_type": "linear", "factor": get("rope.scaling.factor")}
+    elif scaling != "none":
+        raise ValueError(f"GGUF key {arch_name}.rope.scaling.type {scaling!r} is not supported (none, linear are)")
+    rotary_dim = get("rope.dimension_count", head_dim)
+    if rotary_dim != head_dim:
+        params["partial_rotary_factor"] = rotary_dim / head_dim
+    return params
+
+
+def _hf_name(gguf_name: str, arch: GGUFArchitecture) -> str:
     base, _, suffix = gguf_name.rpartition(".")
     if base.startswith("blk."):
         _, index, kind = base.split(".", 2)
-        if kind not in _LAYER_TENSORS:
+        if kind == "attn_qkv" and arch.split_qkv:
+            return f"model.layers.{index}.attn_qkv.{suffix}"  # split by iterate_gguf
+        if kind not in arch.layer_tensors:
             raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-        return f"model.layers.{index}.{_LAYER_TENSORS[kind]}.{suffix}"
-    if base not in _GLOBAL_TENSORS:
+        return f"model.layers.{index}.{arch.layer_tensors[kind]}.{suffix}"
+    if base not in GLOBAL_TENSORS:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"{_GLOBAL_TENSORS[base]}.{suffix}"
+    return f"{GLOBAL_TENSORS[base]}.{suffix}"
 
 
 def _unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -116,6 +132,7 @@ def _unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 # Tensors a matrix product reads.
 _LINEAR_SUFFIXES = (
+    "attn_qkv.weight",
     "attn_q.weight",
     "attn_k.weight",
     "attn_v.weight",
@@ -142,25 +159,42 @@ def kept_compressed(tensor) -> bool:
 def iterate_gguf(
     reader: GGUFReader, config: PretrainedConfig, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]:
-    """HF-named weights; with `keep_quantized`, see `kept_compressed` (everything else is dequantised)."""
-    arch = _field(reader, "general.architecture")
+    """HF-named weights in the Hugging Face layout; with `keep_quantized`, see `kept_compressed` (everything else is
+    dequantised). The converter's transforms are undone (gguf_architectures.py)."""
+    arch = gguf_architecture(_field(reader, "general.architecture"))
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
-        permuted = arch in _PERMUTED_QK and tensor.name.endswith(("attn_q.weight", "attn_k.weight"))
-        heads = config.num_attention_heads if "attn_q" in tensor.name else config.num_key_value_heads
-        if keep_quantized and kept_compressed(tensor):
-            weight = ggml_weight(tensor_type(tensor), tensor.data, int(tensor.shape[1]))
-            if permuted:
-                order = _unpermute_rotary_rows(np.arange(weight.shape[0]), heads)
-                weight = weight.permute_rows(torch.from_numpy(order.copy()))
-            yield name, weight
+        name = _hf_name(tensor.name, arch)
+        value = _load(tensor, keep_quantized)
+        if arch.permuted_qk and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+            heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
+            value = _unpermute(value, heads)
+        if arch.norm_offset and tensor.name.endswith("norm.weight"):
+            value = value - arch.norm_offset
+        if arch.split_qkv and ".attn_qkv." in tensor.name:
+            d = config.head_dim
+            sizes = [config.num_attention_heads * d, config.num_key_value_heads * d, config.num_key_value_heads * d]
+            prefix, suffix = name.split(".attn_qkv.")
+            for part, rows in zip("qkv", split_rows(value, sizes), strict=True):
+                yield f"{prefix}.self_attn.{part}_proj.{suffix}", rows
             continue
-        qtype = tensor_type(tensor)
-        try:
-            values = dequantize(tensor.data, qtype)
-        except (NotImplementedError, ValueError) as exc:
-            raise ValueError(f"GGUF tensor {tensor.name!r} has unsupported type {qtype.name}: {exc}") from exc
-        values = np.asarray(values, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
-        if permuted:
-            values = _unpermute_rotary_rows(values, heads)
-        yield name, torch.from_numpy(np.array(values, dtype=np.float32))  # writable copy
+        yield name, value
+
+
+def _load(tensor, keep_quantized: bool) -> torch.Tensor | Int4Weight | Int8Weight:
+    if keep_quantized and kept_compressed(tensor):
+        return ggml_weight(tensor_type(tensor), tensor.data, int(tensor.shape[1]))
+    qtype = tensor_type(tensor)
+    try:
+        values = dequantize(tensor.data, qtype)
+    except (NotImplementedError, ValueError) as exc:
+        raise ValueError(f"GGUF tensor {tensor.name!r} has unsupported type {qtype.name}: {exc}") from exc
+    values = np.asarray(values, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+    return torch.from_numpy(np.array(values, dtype=np.float32))  # writable copy
+
+
+def _unpermute(value, heads: int):
+    """Rows (of a weight or a bias) back in the Hugging Face order."""
+    order = torch.from_numpy(_unpermute_rotary_rows(np.arange(value.shape[0]), heads).copy())
+    if isinstance(value, torch.Tensor):
+        return value[order].contiguous()
+    return value.permute_rows(order)
