@@ -76,7 +76,12 @@ def case(template, tokens, conversation, tools=None, **options):
 GEMMA = {"bos_token": "<bos>", "eos_token": "<eos>"}
 PHI = {"bos_token": "<s>", "eos_token": "<|endoftext|>"}
 OLMO = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
-ERNIE = {"bos_token": "<s>", "eos_token": "</s>", "cls_token": "<|begin_of_sentence|>", "sep_token": "<|end_of_sentence|>"}
+ERNIE = {
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "cls_token": "<|begin_of_sentence|>",
+    "sep_token": "<|end_of_sentence|>",
+}
 QWEN = {"eos_token": "<|im_end|>"}
 GLM = {"eos_token": "<|endoftext|>"}
 GRANITE = {"bos_token": "<|end_of_text|>", "eos_token": "<|end_of_text|>"}
@@ -146,9 +151,7 @@ def test_family_template_renders_as_transformers_does(template, tokens, conversa
     flags = {"add_generation_prompt": True, **options}
     if flags.get("continue_final_message"):
         flags["add_generation_prompt"] = False
-    expected = reference.apply_chat_template(
-        conversation, tools=tools, chat_template=source, tokenize=False, **flags
-    )
+    expected = reference.apply_chat_template(conversation, tools=tools, chat_template=source, tokenize=False, **flags)
     rendered = served(ChatTemplateRenderer(reference, max_chars=1 << 20), source, conversation, tools, dict(options))
     assert rendered == expected
     assert rendered.encode() == expected.encode()

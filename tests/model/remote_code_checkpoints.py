@@ -124,3 +124,95 @@ def write_chatglm(model: PreTrainedModel, folder: Path) -> None:
         "tie_word_embeddings": False,
     }
     _save(out, raw, folder)
+
+
+def _llama_layer_tensors(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The names a Llama layer's tensors keep in layouts that only rename a few of them."""
+    return {
+        "input_layernorm.weight": t["input_layernorm.weight"],
+        "post_attention_layernorm.weight": t["post_attention_layernorm.weight"],
+        "self_attn.o_proj.weight": t["self_attn.o_proj.weight"],
+        "mlp.gate_proj.weight": t["mlp.gate_proj.weight"],
+        "mlp.up_proj.weight": t["mlp.up_proj.weight"],
+        "mlp.down_proj.weight": t["mlp.down_proj.weight"],
+    }
+
+
+def write_internlm2(model: PreTrainedModel, folder: Path) -> None:
+    """A Llama model as InternLM2ForCausalLM: wqkv holds, per KV head, its query heads, its key, its value."""
+    config = model.config
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    d, kv_heads = config.head_dim, config.num_key_value_heads
+    group = config.num_attention_heads // kv_heads
+    out = {
+        "model.tok_embeddings.weight": state["model.embed_tokens.weight"],
+        "model.norm.weight": state["model.norm.weight"],
+    }
+    out["output.weight"] = state["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        t, p = _layer_tensors(state, i), f"model.layers.{i}."
+        q = t["self_attn.q_proj.weight"].view(kv_heads, group * d, -1)
+        k = t["self_attn.k_proj.weight"].view(kv_heads, d, -1)
+        v = t["self_attn.v_proj.weight"].view(kv_heads, d, -1)
+        out[p + "attention.wqkv.weight"] = torch.cat([q, k, v], dim=1).reshape(-1, config.hidden_size)
+        out[p + "attention.wo.weight"] = t["self_attn.o_proj.weight"]
+        out[p + "attention_norm.weight"] = t["input_layernorm.weight"]
+        out[p + "ffn_norm.weight"] = t["post_attention_layernorm.weight"]
+        out[p + "feed_forward.w1.weight"] = t["mlp.gate_proj.weight"]
+        out[p + "feed_forward.w3.weight"] = t["mlp.up_proj.weight"]
+        out[p + "feed_forward.w2.weight"] = t["mlp.down_proj.weight"]
+    raw = {
+        "architectures": ["InternLM2ForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_internlm2.InternLM2Config"},
+        "model_type": "internlm2",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": config.rope_parameters["rope_theta"],
+        "rope_scaling": {"type": "dynamic", "factor": 2.0},
+        "bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    _save(out, raw, folder)
+
+
+def write_baichuan(
+    model: PreTrainedModel, folder: Path, architecture: str, row_scales: torch.Tensor | None = None
+) -> None:
+    """A Llama model (as many KV heads as query heads) as a Baichuan: q/k/v in one W_pack. architecture:
+    BaiChuanForCausalLM is Baichuan-7B's (rotary); BaichuanForCausalLM is Baichuan2's, rotary at hidden size 4096
+    (7B) and ALiBi otherwise (13B). row_scales: the output layer's rows are stored multiplied by them, as
+    Baichuan2's un-normalised NormHead weight (the model normalises each row, as the reference's head holds)."""
+    config = model.config
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    head = state["lm_head.weight"] if row_scales is None else state["lm_head.weight"] * row_scales[:, None]
+    out = {
+        "model.embed_tokens.weight": state["model.embed_tokens.weight"],
+        "model.norm.weight": state["model.norm.weight"],
+    }
+    out["lm_head.weight"] = head
+    for i in range(config.num_hidden_layers):
+        t, p = _layer_tensors(state, i), f"model.layers.{i}."
+        out |= {p + name: value for name, value in _llama_layer_tensors(t).items()}
+        out[p + "self_attn.W_pack.weight"] = torch.cat([t[f"self_attn.{n}_proj.weight"] for n in "qkv"])
+    raw = {
+        "architectures": [architecture],
+        "auto_map": {"AutoConfig": "configuration_baichuan.BaichuanConfig"},
+        "model_type": "baichuan",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    _save(out, raw, folder)

@@ -14,9 +14,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from heteroserve import LLM
-from tests.model.remote_code_checkpoints import write_chatglm, write_original_qwen
+from heteroserve import LLM, SamplingParams
+from tests.model.remote_code_checkpoints import write_baichuan, write_chatglm, write_internlm2, write_original_qwen
 from tests.model.tiny_models import (
+    LOGIT_RTOL,
     NEW_TOKENS,
     SPECS,
     TinyModel,
@@ -157,6 +158,12 @@ def test_reference_kernels(tiny, greedy_comparison):
 # heads as query heads, ChatGLM2/3 is GLM.
 REMOTE_CODE = {
     "qwen": ("qwen2", {"num_key_value_heads": 4, "tie_word_embeddings": False}, write_original_qwen),
+    "internlm2": ("llama", {"tie_word_embeddings": False}, write_internlm2),
+    "baichuan": (
+        "llama",
+        {"num_key_value_heads": 4, "tie_word_embeddings": False},
+        lambda model, folder: write_baichuan(model, folder, "BaiChuanForCausalLM"),
+    ),
     "chatglm": (
         "glm",
         {
@@ -223,3 +230,32 @@ def test_window_layers_keep_only_their_window(tmp_path, greedy_comparison):
     assert held[-1] == (-(-(41 + NEW_TOKENS - 1) // block), 3)  # decoding: 8 keys span at most 3 blocks of 4
     _check_all(tiny, "gemma3 kv groups", finished, [prompt], greedy_comparison)
     assert kv.usage == 0.0
+
+
+def test_baichuan2_normalises_its_output_layer_and_refuses_alibi(tmp_path, greedy_comparison):
+    """Baichuan2's vocabulary marks its NormHead: the output layer's rows are normalised at load (the checkpoint
+    stores them scaled, the reference holds them normalised). A 13B-style BaichuanForCausalLM (ALiBi) is refused."""
+    from heteroserve.model.loader.remote_code_layouts import BAICHUAN2_VOCAB
+
+    overrides = {"num_key_value_heads": 4, "tie_word_embeddings": False, "vocab_size": BAICHUAN2_VOCAB}
+    model = build_hf_model("llama", overrides, seed=42)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(torch.nn.functional.normalize(model.lm_head.weight, dim=-1) * 4)
+        scales = torch.rand(BAICHUAN2_VOCAB, generator=torch.Generator().manual_seed(0)) + 0.5
+        write_baichuan(model, tmp_path / "b2", "BaichuanForCausalLM", row_scales=scales)
+        model.lm_head.weight.copy_(torch.nn.functional.normalize(model.lm_head.weight, dim=-1))
+    raw = json.loads((tmp_path / "b2" / "config.json").read_text())
+    with pytest.raises(ValueError, match="ALiBi"):
+        LLM(model=str(tmp_path / "b2"), max_model_len=64, num_kv_blocks=16)
+    (tmp_path / "b2" / "config.json").write_text(json.dumps({**raw, "architectures": ["BaiChuanForCausalLM"]}))
+    reference = as_reference(model)
+    prompt = prompts(13, [20], 320)[0]
+    llm = LLM(model=str(tmp_path / "b2"), max_model_len=64, num_kv_blocks=16, dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    tokens = list(out.token_ids)
+    greedy_comparison.check("baichuan2 NormHead", tokens, reference.greedy(prompt, 6))
+    logits = reference.logits(prompt + tokens[:-1])[len(prompt) - 1 :]
+    expected = torch.log_softmax(logits, -1)[torch.arange(6), torch.tensor(tokens)]
+    ours = torch.tensor([entry[t].logprob for entry, t in zip(out.logprobs, tokens, strict=True)])
+    assert (ours - expected).abs().max() <= LOGIT_RTOL * logits.abs().max()

@@ -13,22 +13,20 @@ import pytest
 import torch
 
 from tests.entrypoints.server_process import ServerProcess
-from tests.model.remote_code_checkpoints import write_chatglm, write_original_qwen
 from tests.model.test_architectures import REMOTE_CODE
 from tests.model.tiny_models import LOGIT_RTOL, TinyModel, as_reference, build_hf_model, prompts, save_tiny
 
 # The families beyond Llama, Mistral and Qwen2/3 (whose server paths the rest of the suite covers).
 FAMILIES = ["gemma", "gemma2", "gemma3", "phi3", "glm", "glm4", "ernie4_5", "smollm3", "granite", "olmo2"]
-WRITERS = {"qwen": write_original_qwen, "chatglm": write_chatglm}
 NEW_TOKENS = 8
 
 
 def _tiny(name: str, root) -> TinyModel:
     if name in FAMILIES:
         return save_tiny(name, root)
-    model_type, overrides, _ = REMOTE_CODE[name]
+    model_type, overrides, write = REMOTE_CODE[name]
     model = build_hf_model(model_type, overrides, seed=40)
-    WRITERS[name](model, root / name)
+    write(model, root / name)
     return TinyModel(name, root / name, as_reference(model))
 
 
@@ -36,7 +34,7 @@ def _tiny(name: str, root) -> TinyModel:
 def served(tmp_path_factory) -> Iterator[dict[str, tuple[TinyModel, ServerProcess]]]:
     """Every family's server, started two at a time (a start is mostly single-threaded imports)."""
     root = tmp_path_factory.mktemp("served")
-    tinies = {name: _tiny(name, root) for name in FAMILIES + list(WRITERS)}
+    tinies = {name: _tiny(name, root) for name in FAMILIES + list(REMOTE_CODE)}
 
     def start(name: str) -> ServerProcess:
         args = ("--max-model-len", "128", "--num-kv-blocks", "64", "--dtype", "float32", "--served-model-name", name)
@@ -51,7 +49,7 @@ def served(tmp_path_factory) -> Iterator[dict[str, tuple[TinyModel, ServerProces
             server.stop()
 
 
-@pytest.mark.parametrize("name", FAMILIES + list(WRITERS))
+@pytest.mark.parametrize("name", FAMILIES + list(REMOTE_CODE))
 def test_family_through_the_server(name, served, greedy_comparison):
     tiny, server = served[name]
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")

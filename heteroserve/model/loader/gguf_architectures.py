@@ -74,7 +74,7 @@ class GGUFArchitecture:
 
 
 def _biases(meta: Metadata, key: str = "attention_bias") -> dict:
-    return {key: meta.has_tensor("attn_q.bias")}
+    return {key: meta.has_tensor("attn_q.bias") or meta.has_tensor("attn_qkv.bias")}
 
 
 def _mistral(meta: Metadata) -> dict:

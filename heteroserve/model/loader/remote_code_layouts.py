@@ -1,7 +1,8 @@
 """Checkpoints whose modelling code lives in the model repository (`trust_remote_code`), read without running it.
 
 The original Qwen (`QWenLMHeadModel`, model_type "qwen": Qwen-7B/14B/1.8B-Chat) is Qwen2's architecture under other
-names, and ChatGLM2/3 (`ChatGLMModel`, model_type "chatglm") is transformers' GLM's. Each layout here turns the
+names, ChatGLM2/3 (`ChatGLMModel`, model_type "chatglm") is transformers' GLM's, and InternLM2 (`internlm2`) and the
+7B Baichuan models (`baichuan`) are Llama's. Each layout here turns the
 repository's config.json into the transformers config of that architecture and renames (and splits) its tensors
 to that architecture's names; the family then loads as any other. The name mapping is in docs/model_layouts.md.
 
@@ -17,7 +18,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import GlmConfig, PretrainedConfig, Qwen2Config
+import torch
+from transformers import GlmConfig, LlamaConfig, PretrainedConfig, Qwen2Config
 
 from heteroserve.model.loader.canonical_tensors import split_rows
 
@@ -148,7 +150,11 @@ def _renamed(
     layer: dict[str, str],
     fused_qkv: str,
     qkv_sizes: list[int],
+    qkv_row_order: torch.Tensor | None = None,
 ) -> Iterator[tuple[str, object]]:
+    """Tensors under the architecture's names: `globals_` and `layer` map name prefixes (None: dropped), the
+    fused q/k/v projection is split into `qkv_sizes` rows after taking them in `qkv_row_order` (where the
+    checkpoint interleaves them)."""
     pattern = re.compile(rf"^{re.escape(layer_prefix)}(\d+)\.(.+)$")
     for name, tensor in tensors:
         match = pattern.match(name)
@@ -163,6 +169,10 @@ def _renamed(
         out = f"model.layers.{index}."
         if rest.startswith(fused_qkv):
             suffix = rest[len(fused_qkv) :]
+            if qkv_row_order is not None:
+                tensor = (
+                    tensor[qkv_row_order] if isinstance(tensor, torch.Tensor) else tensor.permute_rows(qkv_row_order)
+                )
             for part, value in zip("qkv", split_rows(tensor, qkv_sizes), strict=True):
                 yield f"{out}self_attn.{part}_proj.{suffix}", value
             continue
@@ -170,6 +180,108 @@ def _renamed(
         if prefix is None:
             raise ValueError(f"unexpected tensor {name!r} in this checkpoint layout")
         yield out + layer[prefix] + rest[len(prefix) :], tensor
+
+
+def _internlm2_config(raw: dict) -> PretrainedConfig:
+    scaling = raw.get("rope_scaling") or {}
+    if scaling and scaling.get("type", scaling.get("rope_type")) not in ("dynamic", "linear"):
+        raise ValueError(f"internlm2: rope_scaling {scaling} is not supported")
+    rope = {"rope_type": "default", "rope_theta": float(raw.get("rope_theta", 10000))}
+    if scaling.get("type", scaling.get("rope_type")) == "linear":
+        rope = {**rope, "rope_type": "linear", "factor": float(scaling["factor"])}
+    if raw.get("bias"):
+        raise ValueError("internlm2: bias true (biases on every projection) is not supported")
+    return LlamaConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=raw["num_attention_heads"],
+        num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        # Dynamic NTK changes nothing up to max_position_embeddings, and is not implemented past it.
+        max_position_embeddings=raw["max_position_embeddings"],
+        rope_parameters=rope,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=raw.get("eos_token_id"),
+        dtype=_dtype(raw),
+    )
+
+
+_INTERNLM2_GLOBALS = {
+    "model.tok_embeddings.": "model.embed_tokens.",
+    "model.norm.": "model.norm.",
+    "output.": "lm_head.",
+}
+_INTERNLM2_LAYER = {
+    "attention_norm.": "input_layernorm.",
+    "ffn_norm.": "post_attention_layernorm.",
+    "attention.wo.": "self_attn.o_proj.",
+    "feed_forward.w1.": "mlp.gate_proj.",
+    "feed_forward.w3.": "mlp.up_proj.",
+    "feed_forward.w2.": "mlp.down_proj.",
+}
+
+
+def _internlm2_tensors(tensors: Tensors, config: PretrainedConfig) -> Iterator[tuple[str, object]]:
+    """wqkv holds, per KV head, its query heads' rows, then its key's, then its value's: taken in q, k, v order."""
+    d, kv_heads = config.head_dim, config.num_key_value_heads
+    group = config.num_attention_heads // kv_heads  # query heads per KV head
+    rows = torch.arange(kv_heads * (group + 2) * d).view(kv_heads, group + 2, d)
+    order = torch.cat([rows[:, :group].flatten(), rows[:, group].flatten(), rows[:, group + 1].flatten()])
+    sizes = [config.num_attention_heads * d, kv_heads * d, kv_heads * d]
+    yield from _renamed(tensors, "model.layers.", _INTERNLM2_GLOBALS, _INTERNLM2_LAYER, "attention.wqkv.", sizes, order)
+
+
+# Baichuan2's vocabulary size: its output layer normalises each row of its weight at inference (NormHead), which
+# Baichuan 1 does not; the config does not say which is which otherwise.
+BAICHUAN2_VOCAB = 125696
+
+
+def _baichuan_config(raw: dict) -> PretrainedConfig:
+    architectures = raw.get("architectures") or []
+    rotary = "BaiChuanForCausalLM" in architectures or raw.get("hidden_size") == 4096  # the 7B models
+    if not rotary:
+        raise ValueError(
+            "baichuan: the 13B models (BaichuanForCausalLM with hidden_size other than 4096) use ALiBi position "
+            "biases, which are not implemented; the 7B models (rotary) are"
+        )
+    heads = raw["num_attention_heads"]
+    return LlamaConfig(
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_hidden_layers=raw["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=raw.get("max_position_embeddings") or raw.get("model_max_length", 4096),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=raw.get("eos_token_id"),
+        dtype=_dtype(raw),
+    )
+
+
+_BAICHUAN_GLOBALS = {"model.embed_tokens.": "model.embed_tokens.", "model.norm.": "model.norm.", "lm_head.": "lm_head."}
+_BAICHUAN_LAYER = {
+    name: name
+    for name in ("input_layernorm.", "post_attention_layernorm.", "self_attn.o_proj.", "mlp.gate_proj.", "mlp.up_proj.")
+} | {"mlp.down_proj.": "mlp.down_proj."}
+
+
+def _baichuan_tensors(tensors: Tensors, config: PretrainedConfig) -> Iterator[tuple[str, object]]:
+    size = config.num_attention_heads * config.head_dim
+    for name, tensor in _renamed(
+        tensors, "model.layers.", _BAICHUAN_GLOBALS, _BAICHUAN_LAYER, "self_attn.W_pack.", [size] * 3
+    ):
+        if name == "lm_head.weight" and config.vocab_size == BAICHUAN2_VOCAB:
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError("baichuan2: a compressed output layer cannot be normalised (NormHead)")
+            tensor = torch.nn.functional.normalize(tensor.float(), dim=-1).to(tensor.dtype)
+        yield name, tensor
 
 
 def _dtype(raw: dict) -> str:
@@ -188,6 +300,12 @@ LAYOUTS: dict[str, RemoteCodeLayout] = {
         "are not implemented",
     ),
     "chatglm": RemoteCodeLayout(_chatglm_config, _chatglm_tensors),
+    "internlm2": RemoteCodeLayout(
+        _internlm2_config,
+        _internlm2_tensors,
+        "InternLM2's dynamic NTK rotary scaling, which acts past max_position_embeddings, is not implemented",
+    ),
+    "baichuan": RemoteCodeLayout(_baichuan_config, _baichuan_tensors),
 }
 
 

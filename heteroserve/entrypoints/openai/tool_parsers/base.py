@@ -156,7 +156,13 @@ class ToolCallStream(ABC):
 
 
 class ToolParser(ABC):
-    """Reads one model family's tool-call format out of generated text, whole or streamed."""
+    """Reads one model family's tool-call format out of generated text, whole or streamed.
+
+    `tools` are the request's tools (OpenAI's `{"type": "function", "function": {...}}` dicts), for formats whose
+    arguments are read by their parameters' schema; JSON formats ignore them."""
+
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        self.tools = tools
 
     @abstractmethod
     def extract(self, text: str) -> ExtractedToolCalls:
