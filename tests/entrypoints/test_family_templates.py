@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerFast
 from heteroserve.entrypoints.openai.chat_template import ChatTemplateRenderer
 from heteroserve.entrypoints.openai.protocol import ChatCompletionRequest
 from heteroserve.entrypoints.openai.serving_chat import ServingChat, template_options
+from heteroserve.entrypoints.openai.template_workers import TemplateWorkers, _stop
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -70,7 +71,15 @@ CONTINUED = [*CHAT, {"role": "assistant", "content": "The answer is"}]
 
 
 def case(template, tokens, conversation, tools=None, **options):
-    return pytest.param(template, tokens, conversation, tools, options, id=f"{template}-{len(conversation)}")
+    name = "-".join(
+        [
+            template,
+            f"{len(conversation)}turns",
+            *(["tools"] if tools else []),
+            *(f"{k}={v}" for k, v in options.items()),
+        ]
+    )
+    return pytest.param(template, tokens, conversation, tools, options, id=name)
 
 
 GEMMA = {"bos_token": "<bos>", "eos_token": "<eos>"}
@@ -129,8 +138,10 @@ def openai_form(message: dict) -> dict:
     return {**message, "content": message["content"] or None, "tool_calls": calls}
 
 
-def served(renderer: ChatTemplateRenderer, source: str, conversation, tools, options) -> str:
-    """The prompt the server renders for this conversation: ServingChat.render's steps, without an engine."""
+def served(renderer, source: str, conversation, tools, options, templates: ChatTemplateRenderer | None = None) -> str:
+    """The prompt the server renders for this conversation: ServingChat.render's steps, without an engine.
+    `renderer` renders the job `templates` (default: the renderer itself) builds, as the server's worker
+    processes render a request's template."""
     flags = {key: options.pop(key) for key in ("add_generation_prompt", "continue_final_message") if key in options}
     body = {"messages": [openai_form(m) for m in conversation], **flags}
     if tools:
@@ -140,7 +151,7 @@ def served(renderer: ChatTemplateRenderer, source: str, conversation, tools, opt
     request = ChatCompletionRequest.model_validate(body)
     messages = [ServingChat._template_message(m) for m in request.messages]
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
-    job = renderer.job(messages, chat_template=source, tools=tools, **template_options(request))
+    job = (templates or renderer).job(messages, chat_template=source, tools=tools, **template_options(request))
     return renderer.render(job, timeout_s=5.0)
 
 
@@ -166,3 +177,20 @@ def test_a_template_refusing_a_conversation_refuses_it_in_both():
     with pytest.raises(jinja2.TemplateError) as raised:
         served(renderer, source, [SYSTEM, *CHAT], None, {})
     assert str(raised.value) == str(expected.value)
+
+
+def test_request_templates_render_the_same_in_worker_processes():
+    """A request's own template (--trust-request-chat-template) renders in a worker process, its job sent as JSON."""
+    source = (TEMPLATES / "glm-4.6.jinja").read_text()
+    reference = tokenizer(GLM)
+    conversation = [SYSTEM, *TOOL_TURNS[:4]]
+    expected = reference.apply_chat_template(
+        conversation, tools=[WEATHER], chat_template=source, tokenize=False, add_generation_prompt=True
+    )
+    workers = TemplateWorkers(1, max_chars=1 << 20)
+    try:
+        assert (
+            served(workers, source, conversation, [WEATHER], {}, ChatTemplateRenderer(reference, 1 << 20)) == expected
+        )
+    finally:
+        _stop(workers.idle.get())

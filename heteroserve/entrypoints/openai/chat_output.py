@@ -58,10 +58,11 @@ class RequiredCallsOutput:
 
 class AutoCallsOutput:
     """tool_choice "auto": the model decides; the server's --tool-call-parser finds its calls in the text. With
-    parallel_tool_calls false, calls after the first are left out."""
+    parallel_tool_calls false, calls after the first are left out. tools: the request's tool definitions (a parser
+    whose format writes arguments as text reads their types from the schemas)."""
 
-    def __init__(self, parser_name: str, parallel: bool) -> None:
-        self.stream = tool_parser(parser_name)().stream()
+    def __init__(self, parser_name: str, parallel: bool, tools: list[dict] | None = None) -> None:
+        self.stream = tool_parser(parser_name)(tools).stream()
         self.parallel = parallel
 
     @property

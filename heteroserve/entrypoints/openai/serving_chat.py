@@ -244,7 +244,8 @@ class ServingChat(OpenAIServing):
                     'function, or "none"',
                     "tool_choice",
                 )
-            return functools.partial(AutoCallsOutput, parser, request.parallel_tool_calls), None
+            tools = [t.model_dump(exclude_none=True) for t in request.tools or ()]
+            return functools.partial(AutoCallsOutput, parser, request.parallel_tool_calls, tools), None
         if choice == "required":
             return RequiredCallsOutput, forced_calls_params(request.tools, choice, request.parallel_tool_calls)
         name = named_function(request.tools, choice).function.name

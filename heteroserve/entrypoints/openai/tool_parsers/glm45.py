@@ -10,7 +10,7 @@ whitespace up to `</tool_call>`; an unterminated last block (the output hit max_
 least one whole pair and nothing after it but whitespace. Otherwise the marker is content, and reading goes on
 right after it.
 
-Streaming opens a call once its name is followed by its first `<arg_key>` (or by `</tool_call>`), then sends each
+Streaming opens a call once its first key is followed by `<arg_value>` (or its name by `</tool_call>`), then sends each
 argument as its `</arg_value>` arrives, as pieces of the arguments' JSON text. The stream cannot take back a call
 it opened: when the block stops following the format after that, the call is closed with the arguments it has
 and the rest is content, while `extract` reports that block as content.
@@ -130,7 +130,6 @@ class _OpenCall:
     def __init__(self, name: str) -> None:
         self.name = name
         self.arguments = ""
-        self.key = ""
 
 
 class Glm45Stream(ToolCallStream):
@@ -140,7 +139,7 @@ class Glm45Stream(ToolCallStream):
         super().__init__()
         self._argument_value = argument_value
         self._call: _OpenCall | None = None  # the call this block opened, once it has
-        self._name = ""
+        self._name = self._key = ""
 
     def _read_content(self) -> bool:
         if not self._emit_content_before(OPEN):
@@ -162,24 +161,22 @@ class Glm45Stream(ToolCallStream):
     def _read_marker(self) -> bool:
         """Between pairs: whitespace, then the next key, or the block's end."""
         self._hold(_WHITESPACE.match(self._pending).end())
-        for marker, after in ((KEY_OPEN, self._read_key), (CLOSE, None)):
-            if self._pending.startswith(marker):
-                self._hold(len(marker))
-                self._open()
-                if after is None:
-                    self._close()
-                else:
-                    self._state = after
-                return True
-            if marker.startswith(self._pending):
-                return False
-        return self._fail()
+        if self._pending.startswith(KEY_OPEN):
+            self._hold(len(KEY_OPEN))
+            self._state = self._read_key
+        elif self._pending.startswith(CLOSE):
+            self._hold(len(CLOSE))
+            self._open()
+            self._close()
+        else:
+            return False if KEY_OPEN.startswith(self._pending) or CLOSE.startswith(self._pending) else self._fail()
+        return True
 
     def _read_key(self) -> bool:
         end = self._pending.find(KEY_CLOSE)
         if end < 0:
             return False
-        self._call.key = self._pending[:end].strip()
+        self._key = self._pending[:end].strip()
         self._hold(end + len(KEY_CLOSE))
         self._state = self._read_value_open
         return True
@@ -188,6 +185,7 @@ class Glm45Stream(ToolCallStream):
         self._hold(_WHITESPACE.match(self._pending).end())
         if self._pending.startswith(VALUE_OPEN):
             self._hold(len(VALUE_OPEN))
+            self._open()
             self._state = self._read_value
             return True
         return False if VALUE_OPEN.startswith(self._pending) else self._fail()
@@ -197,9 +195,9 @@ class Glm45Stream(ToolCallStream):
         if end < 0:
             return False
         call = self._call
-        value = self._argument_value(call.name, call.key, self._pending[:end])
+        value = self._argument_value(call.name, self._key, self._pending[:end])
         self._hold(end + len(VALUE_CLOSE))
-        pair = f"{json.dumps(call.key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+        pair = f"{json.dumps(self._key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
         call.arguments += ("{" if not call.arguments else ", ") + pair
         self._forward(call)
         self._state = self._read_marker
