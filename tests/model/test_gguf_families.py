@@ -9,11 +9,19 @@ the transformers model whose matrices went through the same quantisation, so the
 Where a family's config has what GGUF cannot say, the tiny model takes llama.cpp's fixed value: query scale
 head_dim ** -0.5 (Gemma 2/3), a sliding window on five layers in six (Gemma 3), no rotary on every fourth layer
 (SmolLM3).
+
+Opt-in: HETEROSERVE_LLAMA_CPP (a llama.cpp source tree, e.g. llama-cpp-python's sdist's vendor/llama.cpp) runs
+the same models through llama.cpp's own convert_hf_to_gguf.py first; HETEROSERVE_LLAMA_CPP_PYTHON (llama-cpp-python's
+source) with LLAMA_CPP_LIB_PATH (a built libllama's folder) compares with llama.cpp's logits on the same files.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +29,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, RopeScalingType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType, RopeScalingType
 from gguf.quants import dequantize, quantize
 
 from heteroserve import LLM
+from tests.model.remote_code_checkpoints import write_chatglm, write_original_qwen
 from tests.model.test_gguf import permute
 from tests.model.tiny_models import (
     MAX_MODEL_LEN,
@@ -83,7 +92,8 @@ def _gemma3(writer: GGUFWriter, cfg) -> None:
 def _phi3(writer: GGUFWriter, cfg) -> None:
     _rope_dims(writer, cfg, cfg.rope_parameters.get("partial_rotary_factor", 1.0))
     writer.add_rope_scaling_orig_ctx_len(cfg.max_position_embeddings)
-    writer.add_sliding_window(cfg.sliding_window)
+    if cfg.sliding_window:
+        writer.add_sliding_window(cfg.sliding_window)
 
 
 def _granite(writer: GGUFWriter, cfg) -> None:
@@ -123,8 +133,11 @@ CONVENTIONS = {
 }
 
 
-def write_family_gguf(model, convention: Convention, path: Path, qtype: GGMLQuantizationType = F32) -> Path:
-    """The transformers model as convert_hf_to_gguf.py writes `convention.arch`; matrices as `qtype`."""
+def write_family_gguf(
+    model, convention: Convention, path: Path, qtype: GGMLQuantizationType = F32, vocab: bool = False
+) -> Path:
+    """The transformers model as convert_hf_to_gguf.py writes `convention.arch`; matrices as `qtype`; with `vocab`,
+    a byte-level BPE vocabulary llama.cpp can load (heteroserve then takes token ids only without it)."""
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     sd = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
@@ -164,6 +177,8 @@ def write_family_gguf(model, convention: Convention, path: Path, qtype: GGMLQuan
     if convention.rope_theta:
         writer.add_rope_freq_base(rope["rope_theta"])
     convention.metadata(writer, cfg)
+    if vocab:
+        _add_byte_vocab(writer, cfg.vocab_size)
     writer.add_file_type(LlamaFileType.ALL_F32 if qtype == F32 else LlamaFileType.MOSTLY_Q8_0)
     for name, value in tensors.items():
         if qtype != F32 and value.ndim == 2:
@@ -177,6 +192,20 @@ def write_family_gguf(model, convention: Convention, path: Path, qtype: GGMLQuan
     return path
 
 
+def _add_byte_vocab(writer: GGUFWriter, size: int) -> None:
+    """GPT-2's 256 byte tokens (llama.cpp needs one for a newline), then placeholders."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = list(bytes_to_unicode().values()) + [f"<t{i}>" for i in range(256, size)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens[:size])
+    writer.add_token_types([1] * size)
+    writer.add_token_merges(["! !"])  # llama.cpp refuses a BPE vocabulary without merges
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+
+
 @torch.no_grad()
 def round_trip(model, qtype: GGMLQuantizationType) -> None:
     """Matrices replaced by their `qtype` values: the transformers side of a compressed comparison (the blocks run
@@ -188,6 +217,8 @@ def round_trip(model, qtype: GGMLQuantizationType) -> None:
 
 
 _GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
+# The original Qwen as transformers' Qwen2 (tests/model/remote_code_checkpoints.py): no grouped KV heads.
+_QWEN = {"tie_word_embeddings": False, "use_sliding_window": False, "num_key_value_heads": 4}
 # case -> (tiny_models SPECS entry or (model_type, overrides), GGUF architecture, tensor type, overrides, seed)
 CASES = {
     "gemma_f32": ("gemma", "gemma", F32, {}, 41),
@@ -202,7 +233,7 @@ CASES = {
     "phi3_q8_0": ("phi3", "phi3", Q8_0, {}, 44),
     "chatglm_q4_0": ("glm", "chatglm", Q4_0, {}, 45),
     "glm4_f32": ("glm4", "glm4", F32, {}, 46),
-    "qwen_q4_0": (("qwen2", {"tie_word_embeddings": False, "use_sliding_window": False}), "qwen", Q4_0, {}, 47),
+    "qwen_q4_0": (("qwen2", _QWEN), "qwen", Q4_0, {}, 47),
     "olmo2_f32": ("olmo2", "olmo2", F32, {}, 48),
     "granite_q8_0": ("granite", "granite", Q8_0, {}, 49),
     "smollm3_f32": ("smollm3", "smollm3", F32, {"num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 0]}, 50),
@@ -210,20 +241,18 @@ CASES = {
 }
 
 
-def _build(case: str):
-    spec, arch, qtype, overrides, seed = CASES[case]
+def _build(case: str, qtype: GGMLQuantizationType | None = None, **extra):
+    spec, arch, case_qtype, overrides, seed = CASES[case]
+    qtype = case_qtype if qtype is None else qtype
     model_type, base = SPECS[spec] if isinstance(spec, str) else spec
-    model = build_hf_model(model_type, {**base, **overrides}, seed=seed)
+    model = build_hf_model(model_type, {**base, **overrides, **extra}, seed=seed)
     if qtype != F32:
         round_trip(model, qtype)
     return model, CONVENTIONS[arch], qtype
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_gguf_family_matches_transformers(case, tmp_path, greedy_comparison):
-    model, convention, qtype = _build(case)
-    path = write_family_gguf(model, convention, tmp_path / f"{case}.gguf", qtype)
-    compressed = qtype != F32
+def _check_gguf(case: str, path: Path, model, compressed: bool, expected_type: str, comparison) -> None:
+    """The GGUF loaded by heteroserve (kept compressed or float32) against the transformers model."""
     llm = LLM(
         model=str(path),
         dtype="float32",
@@ -234,7 +263,6 @@ def test_gguf_family_matches_transformers(case, tmp_path, greedy_comparison):
         kernels="reference",
     )
     hf_config = llm.engine.hf_config
-    expected_type = "qwen2" if convention.arch == "qwen" else model.config.model_type
     assert hf_config.model_type == expected_type
     assert hf_config.head_dim == model.config.head_dim
     assert hf_config.tie_word_embeddings == model.config.tie_word_embeddings
@@ -246,7 +274,152 @@ def test_gguf_family_matches_transformers(case, tmp_path, greedy_comparison):
     vocab = model.config.vocab_size
     batch = prompts(9, [37, 12], vocab)
     for i, (output, prompt) in enumerate(zip(run(llm, batch, greedy_params(vocab)), batch, strict=True)):
-        check_output(f"gguf/{case}[{i}]", output, prompt, reference, greedy_comparison)
+        check_output(f"gguf/{case}[{i}]", output, prompt, reference, comparison)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gguf_family_matches_transformers(case, tmp_path, greedy_comparison):
+    model, convention, qtype = _build(case)
+    path = write_family_gguf(model, convention, tmp_path / f"{case}.gguf", qtype)
+    expected_type = "qwen2" if convention.arch == "qwen" else model.config.model_type
+    _check_gguf(case, path, model, qtype != F32, expected_type, greedy_comparison)
+
+
+# ---- llama.cpp's own converter (opt-in) ------------------------------------------------------------------
+
+LLAMA_CPP = os.environ.get("HETEROSERVE_LLAMA_CPP")
+# Runs convert_hf_to_gguf.py with each model class's vocabulary step skipped: the tiny models have no tokenizer.
+_CONVERT = """
+import runpy, sys
+root = sys.argv[1]
+sys.path[:0] = [root, root + "/gguf-py"]
+import conversion
+find = conversion.get_model_class
+def without_vocab(name, mmproj=False):
+    cls = find(name, mmproj)
+    return type(cls.__name__, (cls,), {"set_vocab": lambda self: None, "model_arch": cls.model_arch})
+conversion.get_model_class = without_vocab
+sys.argv = [root + "/convert_hf_to_gguf.py", *sys.argv[2:]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _save_for_converter(case: str, model, folder: Path) -> None:
+    """The checkpoint folder convert_hf_to_gguf.py reads: the remote-code layout for the original Qwen and
+    ChatGLM, and a tokenizer.json with the vocabulary's size where the converter trims the embedding to it."""
+    arch = CASES[case][1]
+    if arch == "qwen":
+        write_original_qwen(model, folder)
+    elif arch == "chatglm":
+        write_chatglm(model, folder)
+    else:
+        model.save_pretrained(folder, safe_serialization=True)
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    (folder / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}, "added_tokens": []}))
+
+
+@pytest.mark.skipif(LLAMA_CPP is None, reason="set HETEROSERVE_LLAMA_CPP to a llama.cpp source tree")
+@pytest.mark.parametrize("case", list(CASES))
+def test_llama_cpp_converted_gguf_matches_transformers(case, tmp_path, greedy_comparison):
+    """As above, the file written by llama.cpp's convert_hf_to_gguf.py (f32, or q8_0 kept compressed)."""
+    compressed = CASES[case][2] != F32
+    model, convention, _ = _build(case, Q8_0 if compressed else F32)
+    folder = tmp_path / case
+    _save_for_converter(case, model, folder)
+    path = tmp_path / f"{case}.gguf"
+    args = [str(folder), "--outfile", str(path), "--outtype", "q8_0" if compressed else "f32"]
+    done = subprocess.run([sys.executable, "-c", _CONVERT, LLAMA_CPP, *args], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert GGUFReader(path).fields["general.architecture"].contents() == convention.arch
+    expected_type = "qwen2" if convention.arch == "qwen" else model.config.model_type
+    _check_gguf(case, path, model, compressed, expected_type, greedy_comparison)
+
+
+# ---- llama.cpp itself on the same files (opt-in) -----------------------------------------------------------
+
+LLAMA_CPP_PYTHON = os.environ.get("HETEROSERVE_LLAMA_CPP_PYTHON")
+# llama.cpp's logits for one sequence through llama-cpp-python's ctypes bindings (its package __init__, which needs
+# extra packages, is skipped); LLAMA_CPP_LIB_PATH names the folder of libllama.
+_LLAMA_CPP_LOGITS = """
+import json, sys, types
+pkg = types.ModuleType("llama_cpp")
+pkg.__path__ = [sys.argv[1] + "/llama_cpp"]
+sys.modules["llama_cpp"] = pkg
+import llama_cpp.llama_cpp as L
+path, tokens = sys.argv[2], json.loads(sys.argv[3])
+L.llama_backend_init()
+model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
+assert model, "llama.cpp could not load " + path
+params = L.llama_context_default_params()
+params.n_ctx = params.n_batch = params.n_ubatch = 128
+params.n_threads = params.n_threads_batch = 1
+params.type_k = params.type_v = L.GGML_TYPE_F32
+params.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+ctx = L.llama_init_from_model(model, params)
+n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+batch = L.llama_batch_init(len(tokens), 0, 1)
+batch.n_tokens = len(tokens)
+for i, token in enumerate(tokens):
+    batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, True
+    batch.seq_id[i][0] = 0
+assert L.llama_decode(ctx, batch) == 0
+rows = [L.llama_get_logits_ith(ctx, i)[:n_vocab] for i in range(len(tokens))]
+print(json.dumps(rows))
+"""
+
+
+def llama_cpp_logits(path: Path, tokens: list[int]) -> torch.Tensor:
+    done = subprocess.run(
+        [sys.executable, "-c", _LLAMA_CPP_LOGITS, LLAMA_CPP_PYTHON, str(path), json.dumps(tokens)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.tensor(json.loads(done.stdout.splitlines()[-1]))
+
+
+# What llama.cpp does not run as transformers does: it ignores Phi-3's sliding window (llama.cpp PR 13676) and
+# loads no ERNIE 4.5 biases.
+LLAMA_CPP_OVERRIDES = {"phi3_q8_0": {"sliding_window": None}, "ernie4_5_f32": {"use_bias": False}}
+
+
+@pytest.mark.skipif(
+    LLAMA_CPP_PYTHON is None or "LLAMA_CPP_LIB_PATH" not in os.environ,
+    reason="set HETEROSERVE_LLAMA_CPP_PYTHON (llama-cpp-python's source) and LLAMA_CPP_LIB_PATH (libllama's folder)",
+)
+@pytest.mark.parametrize("case", list(CASES))
+def test_llama_cpp_agrees_on_the_same_gguf(case, tmp_path):
+    """heteroserve's greedy tokens and logprobs against llama.cpp's logits on the file (with a vocabulary, which
+    llama.cpp needs; heteroserve reads the same tensors): float32 closely (llama.cpp's GELU is a float16 table),
+    the case's compressed type loosely, since llama.cpp rounds activations to 8 bits against Q8_0 / Q4_0 weights."""
+    model, convention, qtype = _build(case, F32, **LLAMA_CPP_OVERRIDES.get(case, {}))
+    _compare_with_llama_cpp(case, model, convention, F32, tmp_path, tolerance=2e-3)
+    if CASES[case][2] != F32:
+        model, convention, qtype = _build(case, **LLAMA_CPP_OVERRIDES.get(case, {}))
+        _compare_with_llama_cpp(case, model, convention, qtype, tmp_path, tolerance=0.15)
+
+
+def _compare_with_llama_cpp(case: str, model, convention, qtype, tmp_path: Path, tolerance: float) -> None:
+    label = f"{case}/{qtype.name}"
+    ours = write_family_gguf(model, convention, tmp_path / f"{qtype.name}.gguf", qtype)
+    theirs = write_family_gguf(model, convention, tmp_path / f"{qtype.name}_vocab.gguf", qtype, vocab=True)
+    llm = LLM(model=str(ours), dtype="float32", max_model_len=MAX_MODEL_LEN, num_kv_blocks=32, block_size=8)
+    vocab = model.config.vocab_size
+    prompt = prompts(9, [37], vocab)[0]
+    output = run(llm, [prompt], greedy_params(vocab, prompt_logprobs=False))[0]
+    generated = list(output.outputs[0].token_ids)
+    logits = llama_cpp_logits(theirs, prompt + generated[:-1])[len(prompt) - 1 :]
+    reference = torch.log_softmax(logits, dim=-1)
+    mine = torch.stack([torch.tensor([e[t].logprob for t in range(vocab)]) for e in output.outputs[0].logprobs])
+    bound = tolerance * float(logits.abs().max())
+    error = float((mine - reference).abs().max())
+    assert error <= bound, f"{label}: logprobs differ from llama.cpp's by {error:.3e} (tolerance {bound:.3e})"
+    top2 = reference.topk(2).values
+    for j, token in enumerate(generated):
+        if int(reference[j].argmax()) != token:  # only where llama.cpp's top two are within the bound
+            assert float(top2[j, 0] - top2[j, 1]) <= 2 * bound, f"{label}: token {j} is not llama.cpp's argmax"
+            break  # the sequences part here
 
 
 # ---- what a GGUF may say that we cannot honour ---------------------------------------------------------
@@ -269,8 +442,9 @@ def _with_key(tmp_path: Path, add: Callable[[GGUFWriter], None]) -> Path:
         (lambda w: w.add_string("glm4.rope.scaling.type", "yarn"), "glm4.rope.scaling.type 'yarn'"),
         (lambda w: w.add_uint32("glm4.expert_count", 8), "glm4.expert_count"),
         (lambda w: w.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32)), "rope_freqs.weight"),
+        (lambda w: w.add_uint32("glm4.attention.sliding_window", 8), "glm4.attention.sliding_window"),
     ],
-    ids=["yarn", "experts", "rope-freqs"],
+    ids=["yarn", "experts", "rope-freqs", "window"],
 )
 def test_unsupported_gguf_metadata_is_named(tmp_path, add, message):
     path = _with_key(tmp_path, add)

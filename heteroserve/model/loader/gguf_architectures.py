@@ -82,8 +82,6 @@ def _mistral(meta: Metadata) -> dict:
 
 
 def _no_window(meta: Metadata) -> dict:
-    if meta.get("attention.sliding_window", None):
-        raise ValueError("GGUF key attention.sliding_window is not supported for this architecture")
     return {"use_sliding_window": False}
 
 

@@ -86,13 +86,16 @@ def gguf_config(reader: GGUFReader) -> PretrainedConfig:
         "num_key_value_heads": get("attention.head_count_kv", num_heads),
         "head_dim": head_dim,
         "max_position_embeddings": get("context_length", 4096),
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        # The converter writes the original Qwen's epsilon under layer_norm_epsilon, although its norm is RMS.
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon") or get("attention.layer_norm_epsilon", 1e-6),
         "rope_parameters": _rope_parameters(arch_name, get, head_dim),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
     extra = arch.config(Metadata(get, names, common))
+    if get("attention.sliding_window") and "sliding_window" not in extra:
+        raise ValueError(f"GGUF key {arch_name}.attention.sliding_window is not supported for this architecture")
     return AutoConfig.for_model(arch.model_type, **{**common, **extra})
 
 
