@@ -76,6 +76,7 @@ def test_checkpoint_exercises_its_architecture(tiny):
         "phi3": [
             {"sliding_window": None},
             {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}},
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
         ],
         "glm": [{"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}}],
         "smollm3": [{"no_rope_layers": [1, 1, 1]}],
@@ -259,3 +260,23 @@ def test_baichuan2_normalises_its_output_layer_and_refuses_alibi(tmp_path, greed
     expected = torch.log_softmax(logits, -1)[torch.arange(6), torch.tensor(tokens)]
     ours = torch.tensor([entry[t].logprob for entry, t in zip(out.logprobs, tokens, strict=True)])
     assert (ours - expected).abs().max() <= LOGIT_RTOL * logits.abs().max()
+
+
+def test_longrope_takes_its_long_factors_past_the_original_context(tmp_path):
+    """Within the original context the table is transformers' (the sequences above); past it, each position is
+    rotated by the long factors, as transformers rotates a sequence that long."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from heteroserve.model.arch import RotarySpec
+    from heteroserve.model.layers.rotary import rotation_angles
+
+    config = AutoModelForCausalLM.from_pretrained(save_tiny("phi3", tmp_path).folder).config
+    spec = RotarySpec(12)
+    angles, scale = rotation_angles(config, spec, 100)
+    short, short_scale = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"))
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"), seq_len=100)
+    positions = torch.arange(100, dtype=torch.float)[:, None]
+    assert config.rope_parameters["original_max_position_embeddings"] == 64
+    assert scale == short_scale > 1.0  # sqrt(1 + ln(256 / 64) / ln(64))
+    assert torch.equal(angles[:64], positions[:64] * short) and torch.equal(angles[64:], positions[64:] * long)
+    assert not torch.allclose(short, long)

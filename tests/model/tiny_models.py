@@ -94,13 +94,22 @@ SPECS: dict[str, tuple[str, dict]] = {
             },
         },
     ),
-    # Phi-3: fused qkv and gate_up checkpoints, partial rotary (Phi-4-mini's 0.75), a window on every layer.
+    # Phi-3: fused qkv and gate_up checkpoints, partial rotary and LongRoPE (Phi-4-mini's), a window on every
+    # layer. The tests' sequences stay within the original context, where transformers uses the short factors.
     "phi3": (
         "phi3",
         {
             "tie_word_embeddings": False,
             "sliding_window": 8,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75},
+            "original_max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.3, 1.9, 2.6, 3.4, 5.0],
+                "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+                "original_max_position_embeddings": 64,
+            },
         },
     ),
     # GLM: half of each head rotated, in adjacent pairs; q/k/v biases; fused gate_up.
