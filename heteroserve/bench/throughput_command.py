@@ -47,7 +47,7 @@ def run_throughput_bench(args) -> None:
     runs: list[BatchRun] = []
     peer_rounds: dict[str, list[dict]] = {}
     for round_index in range(args.rounds):
-        engine.scheduler.kv_cache.pool.reset_cache()  # a round must not reuse the previous one's cached prompts
+        engine.scheduler.kv_cache.reset_cache()  # a round must not reuse the previous one's cached prompts
         run = run_batch(engine, requests)
         runs.append(run)
         prefix = f"round {round_index + 1}: " if args.rounds > 1 else ""
@@ -79,7 +79,7 @@ def _paired_rounds(
     variant_runs: list[BatchRun] = []
     for round_index in range(rounds):
         for is_variant in [False, True] if round_index % 2 == 0 else [True, False]:
-            engine.scheduler.kv_cache.pool.reset_cache()  # a run must not reuse the previous one's cached prompts
+            engine.scheduler.kv_cache.reset_cache()  # a run must not reuse the previous one's cached prompts
             run = run_variant() if is_variant else run_batch(engine, requests)
             (variant_runs if is_variant else plain_runs).append(run)
             tokens_per_s = run.output_tokens / run.wall_s

@@ -52,9 +52,6 @@ class KVCacheGroups:
     def block_ids(self, request_id: str) -> list[list[int]]:
         return [m.block_ids(request_id) for m in self.managers]
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def find_cached_prefix(self, request: Request) -> tuple[list[list[KVBlock]], int]:
         """Each group's cached full blocks of the request's prefix, cut to the length every group has."""
         found = [m.find_cached_prefix(request)[0] for m in self.managers]
@@ -86,5 +83,6 @@ class KVCacheGroups:
             manager.cache_computed_blocks(request)
 
     def reset_cache(self) -> None:
+        """Forgets every unused cached block of every group (e.g. between benchmark runs)."""
         for manager in self.managers:
             manager.pool.reset_cache()

@@ -77,13 +77,15 @@ class KVCacheManager:
         self.stats.hits += num_hit_tokens
 
     def can_allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[KVBlock] = ()) -> bool:
-        """Whether `allocate_slots` would succeed (nothing changes)."""
+        """Whether `allocate_slots` would succeed (nothing changes). Blocks released out of the window count as
+        free, cache hits the window no longer sees cost nothing (they are taken and given straight back)."""
         owned = self._blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
-        needed = self.blocks_needed(num_computed + num_new_tokens) - len(owned) - len(cached_blocks)
-        needed -= self._releasable(request.request_id, num_computed, len(owned) + len(cached_blocks))
-        reclaimable_hits = sum(1 for b in cached_blocks if b.ref_count == 0)
-        return needed <= self.pool.num_free_blocks - reclaimable_hits
+        first = 0 if self.sliding_window is None else self._first_visible_block(num_computed)
+        new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(owned) - len(cached_blocks)
+        kept_hits = sum(1 for i, b in enumerate(cached_blocks, len(owned)) if b.ref_count == 0 and i >= first)
+        released = sum(1 for b in owned[:first] if b is not None)
+        return new_blocks <= self.pool.num_free_blocks - kept_hits + released
 
     def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[KVBlock] = ()) -> bool:
         """Makes room for `num_new_tokens` after the computed (and newly cached) ones; False if blocks run out.
@@ -103,14 +105,6 @@ class KVCacheManager:
     def _first_visible_block(self, num_computed: int) -> int:
         """The first block a query at position >= num_computed can attend to: keys after num_computed - window."""
         return max(0, (num_computed - self.sliding_window + 1) // self.block_size)
-
-    def _releasable(self, request_id: str, num_computed: int, num_blocks: int) -> int:
-        """Blocks of the request's `num_blocks` that allocating after `num_computed` tokens would release."""
-        if self.sliding_window is None:
-            return 0
-        owned = self._blocks.get(request_id, [])
-        end = min(self._first_visible_block(num_computed), num_blocks)
-        return sum(1 for b in owned[:end] if b is not None)
 
     def _release_outside_window(self, owned: list[KVBlock | None], num_computed: int) -> None:
         if self.sliding_window is None:

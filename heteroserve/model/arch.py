@@ -101,6 +101,8 @@ class ModelArch:
     logits_scale: float = 1.0  # the LM head's output is multiplied by it (Granite: 1 / logits_scaling)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     checkpoint: CheckpointLayout = CheckpointLayout()
+    # Why the context may not exceed max_position_embeddings (None: it may, with a warning).
+    context_limit: str | None = None
 
     @classmethod
     def from_hf_config(cls, config) -> ModelArch:
@@ -119,9 +121,12 @@ class ModelArch:
 
     @property
     def sliding_windows(self) -> list[int | None]:
-        """The distinct windows of the layers (None: full attention), in first-use order; the attention metadata
-        is built once per step for each."""
-        return list(dict.fromkeys(layer.sliding_window for layer in self.layers))
+        """The distinct windows of the layers, full attention (None) first, then the windows from the smallest: the
+        order of the KV groups (one per window) and of a step's block tables. It depends on the set of windows
+        only, so every pipeline stage of a model that holds the same windows orders them alike; a stage's share
+        of the model keeps the whole model's list (ModelShard), whichever of its windows its layers use."""
+        windows = {layer.sliding_window for layer in self.layers}
+        return ([None] if None in windows else []) + sorted(w for w in windows if w is not None)
 
     def qk_row_order(self) -> torch.Tensor | None:
         """The order our q/k projection rows take within each head (row j reads the checkpoint's row order[j]), so
@@ -129,7 +134,10 @@ class ModelArch:
         adjacent (2i, 2i + 1) where the checkpoint interleaves them, sit at (i, i + head_dim / 2), and the
         dimensions that pass through fill the columns whose frequency is zero. None where it is the identity."""
         d = self.head_dim
-        rot = max(spec.rotary_dim for spec in self.rotary.values()) if self.rotary else d
+        dims = {spec.rotary_dim for spec in self.rotary.values() if spec.rotary_dim}
+        if len(dims) > 1:
+            raise ValueError(f"rotary tables of different dimensions {sorted(dims)} cannot share one q/k row order")
+        rot = dims.pop() if dims else d
         if rot == d and not self.checkpoint.interleaved_rotary:
             return None
         half = rot // 2

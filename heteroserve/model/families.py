@@ -102,6 +102,11 @@ def _gemma2(config) -> Family:
 
 
 def _gemma3(config) -> Family:
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(
+            "gemma3_text with use_bidirectional_attention (EmbeddingGemma) attends in both directions; the decoder "
+            "here attends causally only"
+        )
     base = _gemma_common(config, attn_softcap=config.attn_logit_softcapping, output_norms=True, qk_norm="head")
     types = config.layer_types
 
@@ -242,6 +247,14 @@ def arch_of(config) -> ModelArch:
         factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
         rotary = {ROTARY_GLOBAL: RotarySpec(int(head_dim * factor))}
     layers = tuple(family.layer(i) for i in range(config.num_hidden_layers))
+    positions, context_limit = config.max_position_embeddings, None
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type") == "longrope":  # Phi-3.5, Phi-4-mini
+        positions = params["original_max_position_embeddings"]
+        context_limit = (
+            f"LongRoPE's long factors, which transformers and vLLM switch every position of a sequence to once it "
+            f"passes the original {positions} positions, are not implemented (the short factors hold up to there)"
+        )
     if any(layer.rotary == ROTARY_NONE for layer in layers):
         rotary = {**rotary, ROTARY_NONE: RotarySpec(0)}
     for spec in rotary.values():
@@ -258,7 +271,7 @@ def arch_of(config) -> ModelArch:
         intermediate_size=config.intermediate_size,
         rms_norm_eps=config.rms_norm_eps,
         tie_word_embeddings=tie_word_embeddings,
-        max_position_embeddings=config.max_position_embeddings,
+        max_position_embeddings=positions,
         layers=layers,
         rotary=rotary,
         attn_scale=family.attn_scale if family.attn_scale is not None else head_dim**-0.5,
@@ -266,4 +279,5 @@ def arch_of(config) -> ModelArch:
         logits_scale=family.logits_scale,
         final_softcap=family.final_softcap,
         checkpoint=family.checkpoint,
+        context_limit=context_limit,
     )

@@ -310,7 +310,9 @@ class OperatorTable:
 
 
 def _softcap_argument(softcap: float | None) -> tuple[float, ...]:
-    """A kernel written before soft-capping keeps its signature for the layers that do not cap."""
+    """The attention kernels' contract: `softcap` comes as a last argument only for the layers that cap their scores,
+    so a kernel without it serves every other layer; one that takes it and does not implement it raises
+    NotImplementedError, and the reference runs instead (logged and counted as a fallback)."""
     return () if softcap is None else (softcap,)
 
 

@@ -60,8 +60,8 @@ class ModelRunner:
         platform: Platform,
         cache_config: CacheConfig,
         seed: int,
-        lora_config: LoRAConfig | None = None,
-        max_num_batched_tokens: int = 2048,
+        lora_config: LoRAConfig | None,
+        max_num_batched_tokens: int,
     ) -> None:
         """max_num_batched_tokens: the scheduler's step budget, which a sliding window's KV group is sized by."""
         self.model = loaded.model
@@ -72,7 +72,9 @@ class ModelRunner:
         self.cache_dtype = kv_cache_dtype(cache_config.kv_cache_dtype, loaded.dtype)
         self.block_size = cache_config.block_size
         self.stop_ids = [loaded.eos_token_id] if loaded.eos_token_id is not None else []
-        self.windows = self.arch.sliding_windows  # one KV group per window, in this order
+        # One KV group per window of the whole model, in its order (a pipeline stage may hold no layer of a group: its
+        # cache for it is empty, and the engine's block tables still carry the group).
+        self.windows = loaded.model.shard.full_arch.sliding_windows
         self.group_layers = [
             [i for i, spec in enumerate(self.arch.layers) if spec.sliding_window == window] for window in self.windows
         ]
@@ -84,7 +86,7 @@ class ModelRunner:
         self.kv_groups = self._size_groups(
             budget, cache_config.num_kv_blocks, loaded.max_model_len, max_num_batched_tokens
         )
-        self.num_blocks = self.kv_groups[0].num_blocks
+        self.num_blocks = self.kv_groups[0].num_blocks  # the full-attention layers' where the model has any
         # One tensor per group [its layers, 2, blocks, block_size, kv heads, head_dim]; layer i reads its slice.
         self.kv_caches = [
             torch.zeros(
@@ -94,7 +96,7 @@ class ModelRunner:
             )
             for layers, group in zip(self.group_layers, self.kv_groups, strict=True)
         ]
-        self.kv_cache = self.kv_caches[0]
+        self.kv_cache = self.kv_caches[0]  # likewise
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = [None] * self.arch.num_layers
         for layers, cache in zip(self.group_layers, self.kv_caches, strict=True):
             for j, i in enumerate(layers):
@@ -168,6 +170,8 @@ class ModelRunner:
         num_decodes = sum(1 for item in items if item.decode_rows)
         meta = {}
         for g, window in enumerate(self.windows):
+            if not self.group_layers[g]:
+                continue  # this pipeline stage holds none of the group's layers
             step = AttentionStep.of(
                 self.block_size,
                 [(item.block_ids[g], item.start, item.num_new_tokens) for item in items],

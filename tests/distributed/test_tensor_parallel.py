@@ -63,13 +63,17 @@ def test_tensor_parallel_replicated_kv_head_and_uneven_vocabulary(one_kv_head, g
     _check_against_transformers(one_kv_head, greedy_comparison, "1-kv-head tp=2", tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("family", ["granite", "gemma2"])
-def test_tensor_parallel_2_of_families_with_biases_and_soft_capping(family, tmp_path, greedy_comparison):
+@pytest.mark.parametrize(
+    "family, parallel",
+    [("granite", "tensor_parallel_size"), ("gemma2", "tensor_parallel_size"), ("gemma2", "pipeline_parallel_size")],
+)
+def test_families_with_biases_soft_capping_and_windows_over_two_ranks(family, parallel, tmp_path, greedy_comparison):
     """Granite: biases on every projection (the row-parallel ones added once, after the all-reduce) and residual
-    multipliers; Gemma 2: soft-capped scores and logits, sandwich norms, alternating windows."""
-    _check_against_transformers(
-        save_tiny(family, tmp_path), greedy_comparison, f"{family} tp=2", tensor_parallel_size=2
-    )
+    multipliers; Gemma 2: soft-capped scores and logits, sandwich norms, alternating windows, and over two pipeline
+    stages whose layers use different sets of windows (a window layer and a global one, then a window layer): each
+    stage keeps every KV group, in the model's order."""
+    tiny = save_tiny(family, tmp_path)
+    _check_against_transformers(tiny, greedy_comparison, f"{family} {parallel}=2", **{parallel: 2})
 
 
 def test_norm_over_all_heads_refuses_tensor_parallelism(tmp_path):

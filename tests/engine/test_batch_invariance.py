@@ -85,7 +85,7 @@ def runs(request, workload) -> dict:
 
 
 def _forget_cached_blocks(llm: LLM) -> None:
-    llm.engine.scheduler.kv_cache.pool.reset_cache()
+    llm.engine.scheduler.kv_cache.reset_cache()
 
 
 def _generate(llm: LLM, prompts: list[list[int]]):

@@ -207,7 +207,7 @@ def test_window_layers_keep_only_their_window(tmp_path, greedy_comparison):
     budget, block = 2**20, 4
     llm = tiny.llm(num_kv_blocks=None, kv_cache_memory_bytes=budget, block_size=block, max_num_batched_tokens=16)
     runner = llm.engine.executor.worker.runner
-    assert runner.windows == [8, None]  # the first layer's window first
+    assert runner.windows == [None, 8]  # full attention first, then the windows
     one_layer_block = 2 * block * 2 * 16 * 4  # k and v, 2 KV heads of 16 float32 values
     groups = {g.sliding_window: g.num_blocks for g in runner.kv_groups}
     assert groups[8] * 2 * one_layer_block + groups[None] * one_layer_block <= budget
@@ -262,21 +262,11 @@ def test_baichuan2_normalises_its_output_layer_and_refuses_alibi(tmp_path, greed
     assert (ours - expected).abs().max() <= LOGIT_RTOL * logits.abs().max()
 
 
-def test_longrope_takes_its_long_factors_past_the_original_context(tmp_path):
-    """Within the original context the table is transformers' (the sequences above); past it, each position is
-    rotated by the long factors, as transformers rotates a sequence that long."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    from heteroserve.model.arch import RotarySpec
-    from heteroserve.model.layers.rotary import rotation_angles
-
-    config = AutoModelForCausalLM.from_pretrained(save_tiny("phi3", tmp_path).folder).config
-    spec = RotarySpec(12)
-    angles, scale = rotation_angles(config, spec, 100)
-    short, short_scale = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"))
-    long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, torch.device("cpu"), seq_len=100)
-    positions = torch.arange(100, dtype=torch.float)[:, None]
-    assert config.rope_parameters["original_max_position_embeddings"] == 64
-    assert scale == short_scale > 1.0  # sqrt(1 + ln(256 / 64) / ln(64))
-    assert torch.equal(angles[:64], positions[:64] * short) and torch.equal(angles[64:], positions[64:] * long)
-    assert not torch.allclose(short, long)
+def test_longrope_context_is_its_original_one(tmp_path):
+    """LongRoPE's short factors hold within the original context (where the sequences above match transformers);
+    the context defaults to it and a longer one is refused, naming why."""
+    tiny = save_tiny("phi3", tmp_path)
+    assert tiny.reference.model.config.max_position_embeddings == 256
+    assert LLM(model=str(tiny.folder), num_kv_blocks=32).engine.max_model_len == 128
+    with pytest.raises(ValueError, match="LongRoPE's long factors"):
+        LLM(model=str(tiny.folder), max_model_len=200, num_kv_blocks=32)

@@ -219,6 +219,7 @@ def round_trip(model, qtype: GGMLQuantizationType) -> None:
 _GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
 # The original Qwen as transformers' Qwen2 (tests/model/remote_code_checkpoints.py): no grouped KV heads.
 _QWEN = {"tie_word_embeddings": False, "use_sliding_window": False, "num_key_value_heads": 4}
+PHI3_PLAIN_ROPE = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}
 # case -> (tiny_models SPECS entry or (model_type, overrides), GGUF architecture, tensor type, overrides, seed)
 CASES = {
     "gemma_f32": ("gemma", "gemma", F32, {}, 41),
@@ -230,7 +231,8 @@ CASES = {
         {"query_pre_attn_scalar": 16, "num_hidden_layers": 6, "layer_types": _GEMMA3_LAYERS},
         43,
     ),
-    "phi3_q8_0": ("phi3", "phi3", Q8_0, {}, 44),
+    # LongRoPE's factor tensors in GGUF are refused: this Phi-3 has plain partial rotary.
+    "phi3_q8_0": ("phi3", "phi3", Q8_0, {"rope_parameters": PHI3_PLAIN_ROPE}, 44),
     "chatglm_q4_0": ("glm", "chatglm", Q4_0, {}, 45),
     "glm4_f32": ("glm4", "glm4", F32, {}, 46),
     "qwen_q4_0": (("qwen2", _QWEN), "qwen", Q4_0, {}, 47),

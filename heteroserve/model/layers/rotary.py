@@ -20,12 +20,10 @@ def rope_parameters(config: PretrainedConfig, spec: RotarySpec) -> dict:
     return config.rope_parameters if spec.layer_type is None else config.rope_parameters[spec.layer_type]
 
 
-def inverse_frequencies(
-    config: PretrainedConfig, spec: RotarySpec, seq_len: int | None = None
-) -> tuple[torch.Tensor, float]:
+def inverse_frequencies(config: PretrainedConfig, spec: RotarySpec) -> tuple[torch.Tensor, float]:
     """The spec's rotary_dim / 2 frequencies and output scale for the config's rope type (transformers' formulas
-    for scaled types). seq_len: LongRoPE's frequencies for a sequence that long (its long factors past the original
-    context, its short ones up to it)."""
+    for scaled types; LongRoPE's short factors, which hold within its original context: families.py holds such a
+    model's context to it)."""
     if spec.rotary_dim == 0:
         return torch.zeros(0), 1.0
     params = rope_parameters(config, spec)
@@ -37,29 +35,12 @@ def inverse_frequencies(
     if rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope type {rope_type!r} is not supported")
     kwargs = {} if spec.layer_type is None else {"layer_type": spec.layer_type}
-    if seq_len is not None:
-        kwargs["seq_len"] = seq_len
     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
     if inv_freq.numel() != spec.rotary_dim // 2:
         raise ValueError(
             f"rope type {rope_type!r} gave {inv_freq.numel()} frequencies for {spec.rotary_dim} dimensions"
         )
     return inv_freq, scale
-
-
-def rotation_angles(config: PretrainedConfig, spec: RotarySpec, max_positions: int) -> tuple[torch.Tensor, float]:
-    """[max_positions, rotary_dim / 2] angles and the output scale. LongRoPE (Phi-3.5, Phi-4-mini) rotates positions
-    within its original context by its short factors and later ones by its long factors, as vLLM does;
-    transformers switches every position of a sequence to the long factors once the sequence passes the original
-    context, so the two agree up to it."""
-    positions = torch.arange(max_positions, dtype=torch.float)[:, None]
-    inv_freq, scale = inverse_frequencies(config, spec)
-    params = rope_parameters(config, spec) if spec.rotary_dim else {}
-    if params.get("rope_type") != "longrope":
-        return positions * inv_freq[None, :], scale
-    original = params["original_max_position_embeddings"]
-    long_freq, _ = inverse_frequencies(config, spec, seq_len=original + 1)
-    return torch.where(positions < original, positions * inv_freq, positions * long_freq), scale
 
 
 class RotaryEmbedding(nn.Module):
@@ -72,11 +53,12 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.ops = ops
-        freqs, scale = rotation_angles(config, spec, max_positions)
+        inv_freq, scale = inverse_frequencies(config, spec)
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         cos = torch.ones(max_positions, head_dim // 2)
         sin = torch.zeros(max_positions, head_dim // 2)
-        cos[:, : freqs.shape[1]] = freqs.cos() * scale
-        sin[:, : freqs.shape[1]] = freqs.sin() * scale
+        cos[:, : inv_freq.numel()] = freqs.cos() * scale
+        sin[:, : inv_freq.numel()] = freqs.sin() * scale
         self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
         self.register_buffer("sin", torch.cat((sin, sin), dim=-1), persistent=False)
 

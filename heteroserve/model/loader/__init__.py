@@ -121,10 +121,11 @@ def load_model(
     tensors = canonical_tensors(tensors, arch)
     dtype = platform.resolve_dtype(config.dtype, checkpoint_dtype)
     max_model_len = config.max_model_len or default_max_model_len(st, arch.max_position_embeddings)
-    if max_model_len > arch.max_position_embeddings and layout is not None and layout.context_limit:
+    context_limit = arch.context_limit or (layout.context_limit if layout is not None else None)
+    if max_model_len > arch.max_position_embeddings and context_limit:
         raise ValueError(
             f"max_model_len {max_model_len} exceeds the model's {arch.max_position_embeddings} positions: "
-            f"{layout.context_limit}; lower --max-model-len"
+            f"{context_limit}; lower --max-model-len"
         )
     if max_model_len > arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's %d positions", max_model_len, arch.max_position_embeddings)

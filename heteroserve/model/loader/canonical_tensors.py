@@ -64,7 +64,8 @@ def split_rows(tensor, sizes: list[int]) -> list[object]:
 
 
 def _offset_norm(name: str, tensor):
-    return tensor + 1.0 if name.endswith("norm.weight") and isinstance(tensor, torch.Tensor) else tensor
+    """1 + w in float32, as the reference computes it (a bfloat16 sum would round it to 2^-7 near 1)."""
+    return tensor.float() + 1.0 if name.endswith("norm.weight") and isinstance(tensor, torch.Tensor) else tensor
 
 
 def _reorder_qk(name: str, tensor, order: torch.Tensor, arch: ModelArch):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-SLIDING, FULL = "sliding_attention", "full_attention"
+from heteroserve.model.families import FULL, SLIDING
 
 
 @dataclass(frozen=True)

@@ -303,7 +303,8 @@ LAYOUTS: dict[str, RemoteCodeLayout] = {
     "internlm2": RemoteCodeLayout(
         _internlm2_config,
         _internlm2_tensors,
-        "InternLM2's dynamic NTK rotary scaling, which acts past max_position_embeddings, is not implemented",
+        "InternLM2's dynamic NTK rotary scaling (where its config sets it), which acts past "
+        "max_position_embeddings, is not implemented",
     ),
     "baichuan": RemoteCodeLayout(_baichuan_config, _baichuan_tensors),
 }
