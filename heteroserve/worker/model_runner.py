@@ -140,10 +140,17 @@ class ModelRunner:
             counts = [int(requests * n) for n in needs]
         for window, count, need in zip(self.windows, counts, needs, strict=True):
             if count < need:
-                kind = "full-attention" if window is None else f"sliding-window ({window})"
+                group = ""
+                if len(self.windows) > 1:
+                    group = (
+                        " for the full-attention layers"
+                        if window is None
+                        else f" for the layers with a {window}-token window"
+                    )
+                window_need = "" if window is None else f" (its window and a step: {need} blocks)"
                 raise ValueError(
-                    f"the KV cache holds {count} blocks of {bs} tokens for the {kind} layers, fewer than one "
-                    f"request of max_model_len={max_model_len} needs ({need}); raise --kv-cache-memory-bytes "
+                    f"the KV cache holds {count} blocks of {bs} tokens{group}, fewer than one request of "
+                    f"max_model_len={max_model_len}{window_need}; raise --kv-cache-memory-bytes "
                     "(kv_cache_memory_bytes) or lower --max-model-len (max_model_len)"
                 )
         return [KVGroupSpec(w, n) for w, n in zip(self.windows, counts, strict=True)]
