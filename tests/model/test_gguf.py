@@ -108,6 +108,12 @@ def write_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantization
         writer.add_value_length(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    write_tensors(writer, tensors, qtype)
+    return path
+
+
+def write_tensors(writer: GGUFWriter, tensors: dict[str, np.ndarray], qtype: GGMLQuantizationType) -> None:
+    """The file type, then the tensors (matrices in `qtype`, the rest float32), and the file is written."""
     quantized = qtype != GGMLQuantizationType.F32
     writer.add_file_type(LlamaFileType.MOSTLY_Q8_0 if quantized else LlamaFileType.ALL_F32)
     for name, value in tensors.items():
@@ -119,7 +125,6 @@ def write_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantization
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
 
 
 # name -> (model_type, tied, tensor type, seed, config overrides)

@@ -29,12 +29,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType, RopeScalingType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
 
 from heteroserve import LLM
 from tests.model.remote_code_checkpoints import write_chatglm, write_original_qwen
-from tests.model.test_gguf import permute
+from tests.model.test_gguf import permute, write_tensors
 from tests.model.tiny_models import (
     MAX_MODEL_LEN,
     SPECS,
@@ -179,16 +179,7 @@ def write_family_gguf(
     convention.metadata(writer, cfg)
     if vocab:
         _add_byte_vocab(writer, cfg.vocab_size)
-    writer.add_file_type(LlamaFileType.ALL_F32 if qtype == F32 else LlamaFileType.MOSTLY_Q8_0)
-    for name, value in tensors.items():
-        if qtype != F32 and value.ndim == 2:
-            writer.add_tensor(name, quantize(value, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tensors(writer, tensors, qtype)
     return path
 
 
