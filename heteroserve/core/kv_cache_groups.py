@@ -70,8 +70,7 @@ class KVCacheGroups:
         if not all(m.can_allocate(request, num_new_tokens, c) for m, c in zip(self.managers, cached, strict=True)):
             return False
         for manager, hits in zip(self.managers, cached, strict=True):
-            if not manager.allocate_slots(request, num_new_tokens, hits):
-                raise RuntimeError(f"KV group allocation failed after its check passed ({request.request_id})")
+            manager.take_slots(request, num_new_tokens, hits)
         return True
 
     def free(self, request: Request) -> None:

@@ -92,6 +92,11 @@ class KVCacheManager:
         With a sliding window, the blocks no query from here on can see are released first."""
         if not self.can_allocate(request, num_new_tokens, cached_blocks):
             return False
+        self.take_slots(request, num_new_tokens, cached_blocks)
+        return True
+
+    def take_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[KVBlock] = ()) -> None:
+        """`allocate_slots` once `can_allocate` has said yes (KVCacheGroups checks every group first)."""
         owned = self._blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
         self.pool.touch(list(cached_blocks))
@@ -100,7 +105,6 @@ class KVCacheManager:
         needed = self.blocks_needed(num_computed + num_new_tokens) - len(owned)
         if needed > 0:
             owned.extend(self.pool.allocate(needed))
-        return True
 
     def _first_visible_block(self, num_computed: int) -> int:
         """The first block a query at position >= num_computed can attend to: keys after num_computed - window."""
