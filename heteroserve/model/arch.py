@@ -7,6 +7,7 @@ The layer's order of operations is fixed (decoder.DecoderLayer):
     x = x + residual_scale * (attn_output_norm(a) if output_norms else a)
     h = post_attention_norm(x) if pre_norms else x
     m = down_proj(act(gate) * up)                                  # silu (SwiGLU) or tanh GELU (GeGLU)
+      or experts(h)                                                # a mixture of experts where the spec has `moe`
     x = x + residual_scale * (mlp_output_norm(m) if output_norms else m)
 
 and every field of `LayerSpec` that differs from its default (Llama's) is a trait. The operator-by-operator layer
@@ -27,6 +28,31 @@ ROTARY_GLOBAL, ROTARY_LOCAL, ROTARY_NONE = "global", "local", "none"
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts MLP (model/moe.py): a router scores `num_experts` SwiGLU experts of
+    `intermediate_size` for each token and the token's output is the weighted sum of its `top_k` best.
+
+    Scores are the softmax of the router's logits (Mixtral, Qwen-MoE, ERNIE 4.5) or their sigmoid (DeepSeek-V3,
+    GLM-4.5). Experts are chosen by score plus a per-expert `correction_bias` where the checkpoint has one; with
+    `num_groups` > 1 only experts of the `top_groups` best groups compete (a group's score: the sum of its two best
+    experts' scores). The chosen scores are the weights, divided by their sum where `renormalize`, then multiplied
+    by `routed_scale`. Shared experts (one SwiGLU MLP of `shared_intermediate_size`) see every token, scaled by
+    sigmoid(shared_gate(h)) where `shared_gate` (Qwen2-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    scoring: str = "softmax"  # or "sigmoid"
+    renormalize: bool = True
+    correction_bias: bool = False
+    num_groups: int = 1
+    top_groups: int = 1
+    routed_scale: float = 1.0
+    shared_intermediate_size: int = 0  # 0: no shared experts
+    shared_gate: bool = False
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """One decoder layer's blocks; the defaults are Llama's."""
 
@@ -41,6 +67,7 @@ class LayerSpec:
     activation: str = "silu"  # of the gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
     mlp_bias: bool = False
     residual_scale: float = 1.0  # sublayer outputs are scaled before the residual add (Granite)
+    moe: MoESpec | None = None  # the MLP is a mixture of experts (with `activation`'s gate)
 
     def traits(self) -> dict[str, object]:
         """The fields that differ from their defaults, with their values."""
@@ -79,6 +106,9 @@ class CheckpointLayout:
     fused_gate_up: str | None = None  # of a fused gate/up projection (Phi-3, GLM: mlp.gate_up_proj)
     norm_offset: bool = False  # norms scale by 1 + w (Gemma): 1 is added to every norm weight
     interleaved_rotary: bool = False  # rotary pairs are adjacent dimensions (GLM, ERNIE): q/k rows are reordered
+    # An expert's gate, up and down projections under the checkpoint's names (Mixtral: w1, w3, w2)
+    expert_projections: tuple[str, str, str] | None = None
+    extra_layers: int = 0  # multi-token-prediction layers stored after the model's own (GLM-4.5): skipped
 
 
 @dataclass(frozen=True)

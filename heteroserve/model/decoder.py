@@ -21,6 +21,7 @@ from heteroserve.distributed.parallel_state import ParallelGroups
 from heteroserve.model.arch import ROTARY_GLOBAL, LayerSpec, ModelArch
 from heteroserve.model.layers.norm import RMSNorm
 from heteroserve.model.layers.rotary import MRotaryEmbedding, RotaryEmbedding, rotary_embedding
+from heteroserve.model.moe import MoEBlock
 from heteroserve.model.sharding import ModelShard
 from heteroserve.platforms.attention import AttentionBackend
 from heteroserve.platforms.operators import DecodeLayerWeights, FusedDecodeLayer, OperatorTable
@@ -56,7 +57,10 @@ def stored_weight_bytes(model: nn.Module) -> int:
     once: a tied LM head may read the embedding's own tensors."""
     tensors = list(model.parameters())
     for module in model.modules():
-        compressed = [v for v in vars(module).values() if hasattr(v, "nbytes") and not isinstance(v, torch.Tensor)]
+        listed = [v for value in vars(module).values() if isinstance(value, list) for v in value]
+        tensors += [v for v in listed if isinstance(v, torch.Tensor)]  # a MoE block's expert weights
+        values = [*vars(module).values(), *listed]
+        compressed = [v for v in values if hasattr(v, "nbytes") and not isinstance(v, torch.Tensor)]
         tensors += [t for value in compressed for t in _tensors_of(value)]
     return sum(dict(_storage(t) for t in tensors).values())
 
@@ -155,11 +159,15 @@ class DecoderLayer(nn.Module):
         self.attn_output_norm = RMSNorm(h, eps, ops) if spec.output_norms else None
         self.mlp_output_norm = RMSNorm(h, eps, ops) if spec.output_norms else None
         self.self_attn = Attention(arch, spec, ops, parallel, backend, index)
-        self.gate_up_proj = _weight(2 * arch.intermediate_size, h)
-        self.gate_up_bias = _vector(2 * arch.intermediate_size) if spec.mlp_bias else None
-        self.down_proj = _weight(h, arch.intermediate_size)
-        self.down_bias = _vector(h) if spec.mlp_bias else None
         self.activation = {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}[spec.activation]
+        dense = spec.moe is None
+        if not dense and spec.mlp_bias:
+            raise ValueError(f"layer {index}: a mixture-of-experts MLP with biases is not implemented")
+        self.moe = None if dense else MoEBlock(spec.moe, h, ops, self.activation)
+        self.gate_up_proj = _weight(2 * arch.intermediate_size, h) if dense else None
+        self.gate_up_bias = _vector(2 * arch.intermediate_size) if spec.mlp_bias else None
+        self.down_proj = _weight(h, arch.intermediate_size) if dense else None
+        self.down_bias = _vector(h) if spec.mlp_bias else None
         self.fused_decode: FusedDecodeLayer | None = None  # the platform's one-call layer for decode-only steps
 
     def fuse_for_decode(self, rotary: RotaryEmbedding, tp_size: int) -> None:
@@ -199,6 +207,15 @@ class DecoderLayer(nn.Module):
             a = self.attn_output_norm(a)
         x = x + a if spec.residual_scale == 1.0 else x + a * spec.residual_scale
         h = self.post_attention_layernorm(x) if self.post_attention_layernorm is not None else x
+        m = self.parallel.all_reduce(self.moe(h) if self.moe is not None else self._dense_mlp(h, lora))
+        if self.down_bias is not None:
+            m = m + self.down_bias
+        if self.mlp_output_norm is not None:
+            m = self.mlp_output_norm(m)
+        return x + m if spec.residual_scale == 1.0 else x + m * spec.residual_scale
+
+    def _dense_mlp(self, h: torch.Tensor, lora: LoRABatch | None) -> torch.Tensor:
+        """The rank's partial MLP output (before the all-reduce and the bias)."""
         gate_up = self.linear(h, self.gate_up_proj, self.gate_up_bias)
         if lora is not None:
             gate_up = lora.add(gate_up, h, self.index, "gate_up")
@@ -206,12 +223,7 @@ class DecoderLayer(nn.Module):
         down = self.linear(act, self.down_proj)
         if lora is not None:
             down = lora.add(down, act, self.index, "down")
-        m = self.parallel.all_reduce(down)
-        if self.down_bias is not None:
-            m = m + self.down_bias
-        if self.mlp_output_norm is not None:
-            m = self.mlp_output_norm(m)
-        return x + m if spec.residual_scale == 1.0 else x + m * spec.residual_scale
+        return down
 
 
 class DecoderModel(nn.Module):
@@ -263,7 +275,10 @@ class DecoderModel(nn.Module):
                 (layer, "gate_up_proj"),
                 (layer, "down_proj"),
             ):
-                self._prepare(owner, name, getattr(owner, name))
+                if getattr(owner, name) is not None:
+                    self._prepare(owner, name, getattr(owner, name))
+            if layer.moe is not None:
+                layer.moe.prepare_weights(self.linear.prepare)
         if self.has_lm_head:
             head = self.embed_tokens if self.lm_head is None else self.lm_head
             # A tied head gets its own prepared copy: the embedding lookup needs the plain layout.

@@ -17,6 +17,7 @@ from heteroserve.model.arch import (
     CheckpointLayout,
     LayerSpec,
     ModelArch,
+    MoESpec,
     RotarySpec,
 )
 
@@ -195,6 +196,97 @@ def _olmo2(config) -> Family:
     )
 
 
+def _sparse_layers(config) -> Callable[[int], bool]:
+    """Qwen-MoE's choice of the layers with experts: every `decoder_sparse_step`-th, except `mlp_only_layers`."""
+    step, dense = config.decoder_sparse_step, set(config.mlp_only_layers)
+    return lambda i: i not in dense and (i + 1) % step == 0
+
+
+def _mixtral(config) -> Family:
+    window = _windows(config, every_layer=True)
+    moe = MoESpec(config.num_local_experts, config.num_experts_per_tok, config.intermediate_size)
+    return Family(
+        layer=lambda i: LayerSpec(sliding_window=window(i), moe=moe),
+        checkpoint=CheckpointLayout(renames=(("block_sparse_moe", "mlp"),), expert_projections=("w1", "w3", "w2")),
+    )
+
+
+def _qwen2_moe(config) -> Family:
+    window, sparse = _windows(config), _sparse_layers(config)
+    moe = MoESpec(
+        config.num_experts,
+        config.num_experts_per_tok,
+        config.moe_intermediate_size,
+        renormalize=config.norm_topk_prob,
+        shared_intermediate_size=config.shared_expert_intermediate_size,
+        shared_gate=True,
+    )
+    bias = bool(getattr(config, "qkv_bias", True))
+    return Family(
+        layer=lambda i: LayerSpec(sliding_window=window(i), qkv_bias=bias, moe=moe if sparse(i) else None),
+        checkpoint=CheckpointLayout(renames=(("mlp.shared_expert", "mlp.shared_experts"),)),
+    )
+
+
+def _qwen3_moe(config) -> Family:
+    dense = _qwen3(config).layer
+    sparse = _sparse_layers(config)
+    moe = MoESpec(
+        config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size, renormalize=config.norm_topk_prob
+    )
+    return Family(layer=lambda i: dataclasses.replace(dense(i), moe=moe if sparse(i) else None))
+
+
+def _ernie4_5_moe(config) -> Family:
+    dense = _ernie4_5(config)
+    first, last, step = config.moe_layer_start_index, config.moe_layer_end_index, config.moe_layer_interval
+    moe = MoESpec(
+        config.moe_num_experts,
+        config.moe_k,
+        config.moe_intermediate_size,
+        correction_bias=True,
+        shared_intermediate_size=config.moe_intermediate_size * config.moe_num_shared_experts,
+    )
+
+    if config.use_bias and config.moe_num_shared_experts:
+        raise ValueError("ernie4_5_moe with use_bias: biases on the shared experts are not implemented")
+
+    def layer(i: int) -> LayerSpec:
+        if (i + 1) % step == 0 and first <= i <= last:  # the routed experts have no biases
+            return dataclasses.replace(dense.layer(i), moe=moe, mlp_bias=False)
+        return dense.layer(i)
+
+    return dataclasses.replace(
+        dense,
+        layer=layer,
+        checkpoint=dataclasses.replace(dense.checkpoint, renames=(("mlp.moe_statics", "mlp.gate"),)),
+    )
+
+
+def _glm4_moe(config) -> Family:
+    bias = bool(config.attention_bias)
+    moe = MoESpec(
+        config.n_routed_experts,
+        config.num_experts_per_tok,
+        config.moe_intermediate_size,
+        scoring="sigmoid",
+        renormalize=config.norm_topk_prob,
+        correction_bias=True,
+        num_groups=config.n_group,
+        top_groups=config.topk_group,
+        routed_scale=float(config.routed_scaling_factor),
+        shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+    )
+    qk_norm = "head" if config.use_qk_norm else None
+
+    def layer(i: int) -> LayerSpec:
+        return LayerSpec(qkv_bias=bias, qk_norm=qk_norm, moe=moe if i >= config.first_k_dense_replace else None)
+
+    return Family(
+        layer=layer, checkpoint=CheckpointLayout(extra_layers=getattr(config, "num_nextn_predict_layers", 0) or 0)
+    )
+
+
 def _gelu_tanh(config, key: str) -> str:
     act = getattr(config, key, None) or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
@@ -217,6 +309,11 @@ FAMILIES: dict[str, Callable[..., Family]] = {
     "smollm3": _smollm3,
     "granite": _granite,
     "olmo2": _olmo2,
+    "mixtral": _mixtral,
+    "qwen2_moe": _qwen2_moe,
+    "qwen3_moe": _qwen3_moe,
+    "ernie4_5_moe": _ernie4_5_moe,
+    "glm4_moe": _glm4_moe,
 }
 
 

@@ -86,6 +86,9 @@ def test_checkpoint_exercises_its_architecture(tiny):
             {"attention_multiplier": 0.25},
             {"logits_scaling": 1.0},
         ],
+        "mixtral": [{"num_experts_per_tok": 1}],
+        "qwen2_moe": [{"norm_topk_prob": True}],
+        "glm4_moe": [{"routed_scaling_factor": 1.0}, {"n_group": 1, "topk_group": 1}],
     }.get(tiny.name, [])
     ids = prompts(99, [40], config.vocab_size)[0]
     base = tiny.reference.logits(ids)

@@ -135,6 +135,69 @@ SPECS: dict[str, tuple[str, dict]] = {
     ),
     # OLMo 2: no pre-norms, norms on the sublayer outputs, q/k normalised over all heads.
     "olmo2": ("olmo2", {"tie_word_embeddings": False}),
+    # Mixtral: 8 experts, top-2 renormalised, every layer (its checkpoint names experts' projections w1/w3/w2).
+    "mixtral": ("mixtral", {"tie_word_embeddings": False, "num_local_experts": 8, "intermediate_size": 48}),
+    # Qwen2-MoE: top-3 without renormalisation, a gated shared expert, a dense middle layer.
+    "qwen2_moe": (
+        "qwen2_moe",
+        {
+            "tie_word_embeddings": False,
+            "use_sliding_window": False,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+            "mlp_only_layers": [1],
+        },
+    ),
+    # Qwen3-MoE: q/k norms, top-2 renormalised, a dense first layer.
+    "qwen3_moe": (
+        "qwen3_moe",
+        {
+            "head_dim": 32,
+            "tie_word_embeddings": True,
+            "use_sliding_window": False,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+        },
+    ),
+    # ERNIE 4.5 MoE: a correction bias on the choice, a shared expert, experts from the second layer on.
+    "ernie4_5_moe": (
+        "ernie4_5_moe",
+        {
+            "tie_word_embeddings": False,
+            "moe_num_experts": 8,
+            "moe_k": 2,
+            "moe_intermediate_size": 32,
+            "moe_num_shared_experts": 1,
+            "moe_layer_start_index": 1,
+            "moe_layer_end_index": 2,
+        },
+    ),
+    # GLM-4.5: sigmoid scores with a correction bias, group-limited choice (1 of 2 groups), routed scaling,
+    # a shared expert, a dense first layer, q/k norms, half the head rotated, q/k/v biases.
+    "glm4_moe": (
+        "glm4_moe",
+        {
+            "tie_word_embeddings": False,
+            "attention_bias": True,
+            "use_qk_norm": True,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_group": 2,
+            "topk_group": 1,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "first_k_dense_replace": 1,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+        },
+    ),
 }
 
 
@@ -154,6 +217,9 @@ def randomize(model: PreTrainedModel, seed: int, std: float = 0.2) -> None:
             param.copy_(1.0 + 0.2 * noise)
         else:  # projection matrices, lm_head, qkv biases
             param.copy_(std * noise)
+    for name, buffer in model.named_buffers():  # DeepSeek-V3 / GLM-4.5 keep the router's correction bias here
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(std * torch.randn(buffer.shape, generator=gen, dtype=torch.float32))
 
 
 def build_hf_model(model_type: str, overrides: dict, seed: int) -> PreTrainedModel:

@@ -111,7 +111,7 @@ def load_model(
         return _load_encoder(source, config, hf_config, st, task, checkpoint_dtype, platform, kernels)
     layout = remote_code_layout(source.folder) if source.gguf_file is None else None
     if source.gguf_file is None:
-        tensors = _checkpoint_tensors(source.folder, hf_config, quantization)
+        tensors = _checkpoint_tensors(source.folder, hf_config, quantization, quantize=False)
         if layout is not None:
             tensors = layout.tensors(tensors, hf_config)
     arch = ModelArch.from_hf_config(hf_config)
@@ -119,6 +119,8 @@ def load_model(
     if hf_config.model_type in VISION_LANGUAGE:
         tensors = split_vision_tensors(tensors, vision_tensors)
     tensors = canonical_tensors(tensors, arch)
+    if quantization in ("int4", "int8"):  # under our names, so every family's projections are found
+        tensors = quantize_projections(tensors, quantization)
     dtype = platform.resolve_dtype(config.dtype, checkpoint_dtype)
     max_model_len = config.max_model_len or default_max_model_len(st, arch.max_position_embeddings)
     context_limit = arch.context_limit or (layout.context_limit if layout is not None else None)
@@ -213,10 +215,14 @@ def _load_encoder(
 
 
 def _checkpoint_tensors(
-    folder: Path, hf_config: PretrainedConfig, quantization: str | None, projections: tuple[str, ...] | None = None
+    folder: Path,
+    hf_config: PretrainedConfig,
+    quantization: str | None,
+    projections: tuple[str, ...] | None = None,
+    quantize: bool = True,
 ):
-    """The folder's tensors, unpacked from a detected GPTQ/AWQ format or quantised at load as asked (the weights
-    whose names end in `projections`; None: a decoder's)."""
+    """The folder's tensors, unpacked from a detected GPTQ/AWQ format, and with `quantize` quantised at load as
+    asked (the weights whose names end in `projections`; None: a decoder's)."""
     detected = checkpoint_quantization(folder, hf_config)
     method = detected[0] if detected else "none (float weights)"
     if quantization in ("gguf", "gptq", "awq") and quantization != method:
@@ -231,7 +237,7 @@ def _checkpoint_tensors(
     tensors = iterate_safetensors(folder)
     if detected:
         return unpack_checkpoint(tensors, *detected, dequantize=quantization == "none")
-    if quantization in ("int4", "int8"):
+    if quantize and quantization in ("int4", "int8"):
         return quantize_projections(tensors, quantization, projections)
     return tensors
 

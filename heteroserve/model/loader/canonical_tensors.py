@@ -16,7 +16,9 @@ import torch
 
 from heteroserve.model.arch import ModelArch
 
-_LAYER = re.compile(r"^(model\.layers\.\d+\.)(.+)$")
+_LAYER = re.compile(r"^(model\.layers\.(\d+)\.)(.+)$")
+_EXPERT = re.compile(r"^(mlp\.experts\.\d+\.)([^.]+)(\..+)$")
+_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 def canonical_tensors(tensors: Iterable[tuple[str, object]], arch: ModelArch) -> Iterator[tuple[str, object]]:
@@ -27,11 +29,19 @@ def canonical_tensors(tensors: Iterable[tuple[str, object]], arch: ModelArch) ->
         if match is None:
             yield name, _offset_norm(name, tensor) if layout.norm_offset else tensor
             continue
-        prefix, rest = match.groups()
+        prefix, index, rest = match.groups()
+        if int(index) >= arch.num_layers + layout.extra_layers:
+            raise ValueError(f"checkpoint tensor {name!r} is past the model's {arch.num_layers} layers")
+        if int(index) >= arch.num_layers:  # a multi-token-prediction layer: its drafts are not used here
+            continue
         for old, new in layout.renames:
             if rest.startswith(old + "."):
                 rest = new + rest[len(old) :]
                 break
+        expert = _EXPERT.match(rest) if layout.expert_projections else None
+        if expert is not None and expert.group(2) in layout.expert_projections:
+            ours = _EXPERT_NAMES[layout.expert_projections.index(expert.group(2))]
+            rest = expert.group(1) + ours + expert.group(3)
         for part, value in _split_fused(rest, tensor, arch):
             if layout.norm_offset:
                 value = _offset_norm(part, value)

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from heteroserve.model.decoder import DecoderModel
+from heteroserve.model.moe import MoEBlock
 from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.int4 import Int4Weight, quantize_int4
 from heteroserve.quantization.int8 import Int8Weight, quantize_int8
@@ -79,19 +80,12 @@ def load_weights(model: DecoderModel, tensors: Iterable[tuple[str, Weight]], dty
     def put(param: torch.nn.Parameter, value: torch.Tensor) -> None:
         param.data = value.contiguous()
 
-    def put_linear(owner: torch.nn.Module, attr: str, value: Weight) -> None:
-        if not isinstance(value, torch.Tensor):
-            del owner._parameters[attr]
-            setattr(owner, attr, value)
-        else:
-            put(getattr(owner, attr), value)
-
     h, d = arch.hidden_size, arch.head_dim
     q_rows, kv_rows, inter = arch.num_heads * d, arch.num_kv_heads * d, arch.intermediate_size
-    put_linear(model, "embed_tokens", take("model.embed_tokens.weight", (arch.vocab_size, h)))
+    _put_linear(model, "embed_tokens", take("model.embed_tokens.weight", (arch.vocab_size, h)))
     put(model.norm.weight, take("model.norm.weight", (h,)))
     if model.lm_head is not None:
-        put_linear(model, "lm_head", take("lm_head.weight", (arch.vocab_size, h)))
+        _put_linear(model, "lm_head", take("lm_head.weight", (arch.vocab_size, h)))
     else:
         found.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
     for i, layer in enumerate(model.layers):
@@ -105,22 +99,59 @@ def load_weights(model: DecoderModel, tensors: Iterable[tuple[str, Weight]], dty
             take(p + "self_attn.k_proj.weight", (kv_rows, h)),
             take(p + "self_attn.v_proj.weight", (kv_rows, h)),
         ]
-        put_linear(attn, "qkv_proj", _cat(qkv, dtype))
+        _put_linear(attn, "qkv_proj", _cat(qkv, dtype))
         if attn.qkv_bias is not None:
             parts = (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
             put(attn.qkv_bias, torch.cat([take(f"{p}self_attn.{n}_proj.bias", (rows,)) for n, rows in parts]))
         if attn.q_norm is not None:
             put(attn.q_norm.weight, take(p + "self_attn.q_norm.weight", tuple(attn.q_norm.weight.shape)))
             put(attn.k_norm.weight, take(p + "self_attn.k_norm.weight", tuple(attn.k_norm.weight.shape)))
-        put_linear(attn, "o_proj", take(p + "self_attn.o_proj.weight", (h, q_rows)))
+        _put_linear(attn, "o_proj", take(p + "self_attn.o_proj.weight", (h, q_rows)))
         if attn.o_bias is not None:
             put(attn.o_bias, take(p + "self_attn.o_proj.bias", (h,)))
+        if layer.moe is not None:
+            _load_experts(layer.moe, p + "mlp.", take, found, dtype)
+            continue
         gate_up = [take(p + "mlp.gate_proj.weight", (inter, h)), take(p + "mlp.up_proj.weight", (inter, h))]
-        put_linear(layer, "gate_up_proj", _cat(gate_up, dtype))
-        put_linear(layer, "down_proj", take(p + "mlp.down_proj.weight", (h, inter)))
+        _put_linear(layer, "gate_up_proj", _cat(gate_up, dtype))
+        _put_linear(layer, "down_proj", take(p + "mlp.down_proj.weight", (h, inter)))
         if layer.gate_up_bias is not None:
             put(layer.gate_up_bias, torch.cat([take(f"{p}mlp.{n}_proj.bias", (inter,)) for n in ("gate", "up")]))
             put(layer.down_bias, take(p + "mlp.down_proj.bias", (h,)))
     unused = [name for name in found if "rotary_emb" not in name]
     if unused:
         raise ValueError(f"checkpoint has tensors this architecture does not use: {unused[:5]}")
+
+
+def _load_experts(moe: MoEBlock, prefix: str, take, found: dict, dtype: torch.dtype) -> None:
+    """A mixture-of-experts MLP's router (kept in float32), its experts and its shared experts."""
+    spec, h = moe.spec, moe.router.shape[1]
+    moe.router.data = take(prefix + "gate.weight", (spec.num_experts, h)).float().contiguous()
+    if moe.correction_bias is not None:
+        name = prefix + "gate.e_score_correction_bias"
+        bias = found.get(name)
+        shape = (spec.num_experts,) if bias is None or bias.ndim == 1 else (1, spec.num_experts)  # ERNIE: [1, E]
+        moe.correction_bias.data = take(name, shape).float().reshape(-1)
+    inter = spec.intermediate_size
+    for e in range(spec.num_experts):
+        q = f"{prefix}experts.{e}."
+        gate_up = [take(q + "gate_proj.weight", (inter, h)), take(q + "up_proj.weight", (inter, h))]
+        moe.experts_gate_up[e] = _cat(gate_up, dtype)
+        moe.experts_down[e] = take(q + "down_proj.weight", (h, inter))
+    shared = spec.shared_intermediate_size
+    if shared:
+        q = prefix + "shared_experts."
+        gate_up = [take(q + "gate_proj.weight", (shared, h)), take(q + "up_proj.weight", (shared, h))]
+        _put_linear(moe, "shared_gate_up", _cat(gate_up, dtype))
+        _put_linear(moe, "shared_down", take(q + "down_proj.weight", (h, shared)))
+    if moe.shared_gate is not None:
+        moe.shared_gate.data = take(prefix + "shared_expert_gate.weight", (1, h)).contiguous()
+
+
+def _put_linear(owner: torch.nn.Module, attr: str, value: Weight) -> None:
+    """A projection's loaded value: a tensor fills the parameter, a compressed weight replaces it."""
+    if not isinstance(value, torch.Tensor):
+        del owner._parameters[attr]
+        setattr(owner, attr, value)
+    else:
+        getattr(owner, attr).data = value.contiguous()

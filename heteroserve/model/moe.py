@@ -1,0 +1,116 @@
+"""A mixture-of-experts MLP block (arch.MoESpec): the router, the routed experts and the shared ones.
+
+The step's tokens are grouped by expert, and each expert that any token chose runs once, as one product over its
+tokens' rows: at decode only the chosen experts' weights are read. Each token's output adds its experts' weighted
+outputs in the order of the experts' indices, whatever else is in the step, so a token's result does not depend
+on how the step was batched (the projections themselves give the same bits at every row count). Nothing is
+dropped: every token gets all of its `top_k` experts.
+
+With tensor parallelism each rank holds a slice of every expert's (and the shared experts') intermediate rows;
+the block returns the rank's partial sum, which the layer all-reduces with the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heteroserve.model.arch import MoESpec
+from heteroserve.platforms.operators import OperatorTable
+
+
+def route(
+    logits: torch.Tensor, spec: MoESpec, correction_bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] float32, expert ids [T, top_k]) of each token, from its float32 router logits."""
+    scores = logits.softmax(dim=-1) if spec.scoring == "softmax" else logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias
+    if spec.num_groups > 1:
+        grouped = choice.view(len(choice), spec.num_groups, -1)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        best_groups = group_scores.topk(spec.top_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+    ids = choice.topk(spec.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if spec.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    if spec.routed_scale != 1.0:
+        weights = weights * spec.routed_scale
+    return weights, ids
+
+
+def _weight(rows: int, cols: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(rows, cols), requires_grad=False)
+
+
+class MoEBlock(nn.Module):
+    """The experts of one layer. Expert e's fused gate/up projection is `experts_gate_up[e]` and its down
+    projection `experts_down[e]` (plain tensors, or whatever the platform's linear op prepared them into)."""
+
+    def __init__(self, spec: MoESpec, hidden_size: int, ops: OperatorTable, activation) -> None:
+        super().__init__()
+        self.spec = spec
+        self.linear = ops.linear
+        self.activation = activation
+        inter = spec.intermediate_size
+        self.router = _weight(spec.num_experts, hidden_size)  # float32: routing is computed in float32
+        self.correction_bias = (
+            nn.Parameter(torch.empty(spec.num_experts), requires_grad=False) if spec.correction_bias else None
+        )
+        self.experts_gate_up: list = [_weight(2 * inter, hidden_size) for _ in range(spec.num_experts)]
+        self.experts_down: list = [_weight(hidden_size, inter) for _ in range(spec.num_experts)]
+        shared = spec.shared_intermediate_size
+        self.shared_gate_up = _weight(2 * shared, hidden_size) if shared else None
+        self.shared_down = _weight(hidden_size, shared) if shared else None
+        self.shared_gate = _weight(1, hidden_size) if spec.shared_gate else None
+
+    def prepare_weights(self, prepare) -> None:
+        """Hands every expert's projections (and the shared experts') to the linear kernel once."""
+        self.experts_gate_up = [prepare(_data(w)) for w in self.experts_gate_up]
+        self.experts_down = [prepare(_data(w)) for w in self.experts_down]
+        if self.shared_gate_up is not None:
+            for name in ("shared_gate_up", "shared_down"):
+                prepared = prepare(_data(getattr(self, name)))
+                self._parameters.pop(name, None)
+                setattr(self, name, nn.Parameter(prepared, requires_grad=False) if _is_tensor(prepared) else prepared)
+
+    def expert_weights(self) -> list:
+        return self.experts_gate_up + self.experts_down
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        logits = F.linear(h.float(), self.router)
+        weights, ids = route(logits, spec, self.correction_bias)
+        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens ascending in each
+        counts = torch.bincount(flat, minlength=spec.num_experts).tolist()
+        token_of = order // spec.top_k
+        weight_of = weights.flatten()[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = token_of[start : start + count]
+            y = self._mlp(h[rows], self.experts_gate_up[expert], self.experts_down[expert])
+            out.index_add_(0, rows, y.float() * weight_of[start : start + count, None])
+            start += count
+        if self.shared_gate_up is not None:
+            shared = self._mlp(h, self.shared_gate_up, self.shared_down).float()
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(F.linear(h, self.shared_gate)).float()
+            out += shared
+        return out.to(h.dtype)
+
+    def _mlp(self, x: torch.Tensor, gate_up, down) -> torch.Tensor:
+        return self.linear(self.activation(self.linear(x, gate_up)), down)
+
+
+def _data(weight):
+    return weight.data if isinstance(weight, torch.Tensor) else weight
+
+
+def _is_tensor(weight) -> bool:
+    return isinstance(weight, torch.Tensor)
