@@ -169,6 +169,11 @@ def _check_tensors(name: str, weights_file: Path, arch: ModelArch, rank: int) ->
                 raise LoRAAdapterError(
                     f"LoRA adapter {name!r}: {key} is for layer {layer}, and the model has {arch.num_layers}"
                 )
+            if arch.layers[layer].moe is not None and module in ("gate_proj", "up_proj", "down_proj"):
+                raise LoRAAdapterError(
+                    f"LoRA adapter {name!r}: {key} targets layer {layer}'s MLP, a mixture of experts; adapters of "
+                    "experts are not supported (attention projections are)"
+                )
             in_features, out_features = widths[module]
             expected = [rank, in_features] if kind == "A" else [out_features, rank]
             shape = list(tensors.get_slice(key).get_shape())

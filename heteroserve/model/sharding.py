@@ -49,6 +49,8 @@ class ModelShard:
     kv_head_start: int
     head_start: int = 0
     mlp_start: int = 0
+    expert_start: int = 0  # of each routed expert's intermediate rows (every MoE layer's experts are alike)
+    shared_start: int = 0  # of the shared experts' intermediate rows
 
     @classmethod
     def whole(cls, arch: ModelArch) -> ModelShard:
@@ -68,16 +70,33 @@ class ModelShard:
             q_heads, q_start = arch.num_heads // tp, r * (arch.num_heads // tp)
             kv_heads, kv_start = 1, r * arch.num_kv_heads // tp
         mlp_start, mlp_end = _even_split(arch.intermediate_size, r, tp)
+        moe_specs = {layer.moe for layer in arch.layers if layer.moe is not None}
+        if len(moe_specs) > 1:
+            raise ValueError("tensor parallelism over MoE layers of different shapes is not implemented")
+        expert_range = shared_range = (0, 0)
+        layers = arch.layers[first:last]
+        if moe_specs:
+            moe = moe_specs.pop()
+            expert_range = _even_split(moe.intermediate_size, r, tp)
+            shared_range = _even_split(moe.shared_intermediate_size, r, tp)
+            local_moe = dataclasses.replace(
+                moe,
+                intermediate_size=expert_range[1] - expert_range[0],
+                shared_intermediate_size=shared_range[1] - shared_range[0],
+            )
+            layers = tuple(dataclasses.replace(x, moe=local_moe) if x.moe else x for x in layers)
         local = dataclasses.replace(
             arch,
             num_heads=q_heads,
             num_kv_heads=kv_heads,
             intermediate_size=mlp_end - mlp_start,
             num_layers=last - first,
-            layers=arch.layers[first:last],
+            layers=layers,
             vocab_size=vocab_end - vocab_start,
         )
-        return cls(groups, arch, local, vocab_start, first, kv_start, q_start, mlp_start)
+        return cls(
+            groups, arch, local, vocab_start, first, kv_start, q_start, mlp_start, expert_range[0], shared_range[0]
+        )
 
     def take(self, tensors: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
         """The checkpoint's tensors as this rank holds them (others skipped), under local layer numbers."""
@@ -90,15 +109,20 @@ class ModelShard:
             if 0 <= index < self.arch.num_layers:
                 yield f"model.layers.{index}.{match.group(2)}", self._slice(match.group(2), tensor)
 
-    def split_of(self, module: str) -> tuple[str, int, int] | None:
+    def split_of(self, module: str, mlp_kind: str = "dense") -> tuple[str, int, int] | None:
         """How this rank splits a projection or table (its name's last part, e.g. q_proj): ("rows" | "columns",
-        start, end) of the full weight, or None where it is replicated (norms, or one rank)."""
+        start, end) of the full weight, or None where it is replicated (norms, or one rank). mlp_kind: whose
+        gate/up/down projection it is: the dense MLP's, a routed expert's ("expert") or the shared experts'."""
         if self.groups.tp_size == 1:
             return None
         a, d = self.arch, self.full_arch.head_dim
         q = (self.head_start * d, (self.head_start + a.num_heads) * d)
         kv = (self.kv_head_start * d, (self.kv_head_start + a.num_kv_heads) * d)
         mlp = (self.mlp_start, self.mlp_start + a.intermediate_size)
+        if mlp_kind != "dense":
+            moe = next(layer.moe for layer in a.layers if layer.moe is not None)
+            start = self.expert_start if mlp_kind == "expert" else self.shared_start
+            mlp = (start, start + (moe.intermediate_size if mlp_kind == "expert" else moe.shared_intermediate_size))
         vocab = (self.vocab_start, self.vocab_start + a.vocab_size)
         rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": mlp, "up_proj": mlp}
         rows |= {"embed_tokens": vocab, "lm_head": vocab}
@@ -110,9 +134,10 @@ class ModelShard:
         return None
 
     def _slice(self, name: str, tensor):
+        mlp_kind = "expert" if "mlp.experts." in name else "shared" if "mlp.shared_experts." in name else "dense"
         for module in _SPLIT_MODULES:
             if f"{module}." in name:
-                split = self.split_of(module)
+                split = self.split_of(module, mlp_kind)
                 if split is None or (split[0] == "columns" and f"{module}.weight" not in name):
                     return tensor  # a row-parallel projection's bias is not split
                 kind, start, end = split
