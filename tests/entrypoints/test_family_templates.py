@@ -94,6 +94,7 @@ ERNIE = {
 QWEN = {"eos_token": "<|im_end|>"}
 GLM = {"eos_token": "<|endoftext|>"}
 GRANITE = {"bos_token": "<|end_of_text|>", "eos_token": "<|end_of_text|>"}
+PHI4 = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
 
 CASES = [
     case("gemma-2-2b-it", GEMMA, CHAT),
@@ -116,6 +117,19 @@ CASES = [
     case("granite-3.3-2b-instruct", GRANITE, [SYSTEM, *CHAT]),
     case("granite-3.3-2b-instruct", GRANITE, CHAT, thinking=True),
     case("granite-3.3-2b-instruct", GRANITE, TOOL_TURNS, tools=[WEATHER]),
+    case("gemma-3-it", GEMMA, [SYSTEM, *CHAT]),
+    case("gemma-3-it", GEMMA, CHAT[:2], add_generation_prompt=False),
+    case("gemma-3-it", GEMMA, CONTINUED, continue_final_message=True),
+    case("phi-4-mini-instruct", PHI4, [SYSTEM, *CHAT]),
+    case("phi-4-mini-instruct", PHI4, [SYSTEM, *CHAT[:2]], add_generation_prompt=False),
+    case("phi-4-mini-instruct", PHI4, CONTINUED, continue_final_message=True),
+    case("phi-4-mini-instruct", PHI4, [SYSTEM, *TOOL_TURNS], tools=[WEATHER]),
+    case("glm-4-9b-0414", GLM, [SYSTEM, *CHAT]),
+    case("glm-4-9b-0414", GLM, [SYSTEM, *TOOL_TURNS], tools=[WEATHER]),
+    case("glm-4-9b-0414", GLM, CONTINUED, continue_final_message=True),
+    case("glm-4-9b-chat-hf", GLM, [SYSTEM, *CHAT]),
+    case("glm-4-9b-chat-hf", GLM, [SYSTEM, *TOOL_TURNS], tools=[WEATHER]),
+    case("glm-4-9b-chat-hf", GLM, CONTINUED, continue_final_message=True),
 ]
 
 
@@ -194,3 +208,26 @@ def test_request_templates_render_the_same_in_worker_processes():
         )
     finally:
         _stop(workers.idle.get())
+
+
+def test_glm4_0414_renders_a_tool_call_history_in_its_own_form():
+    """GLM-4-0414's template writes a call from an assistant turn whose `metadata` is the function's name and whose
+    content is the arguments' JSON, and a result from an `observation` turn; OpenAI `tool_calls` and `tool` turns it
+    drops (the cases above), so this is the form a GLM-4-0414 history has to reach it in."""
+    source = (TEMPLATES / "glm-4-9b-0414.jinja").read_text()
+    reference = tokenizer(GLM)
+    conversation = [
+        SYSTEM,
+        {"role": "user", "content": "Weather in Zürich?"},
+        {"role": "assistant", "metadata": "get_weather", "content": '{"city": "Zürich", "days": 2}'},
+        {"role": "observation", "content": '{"temp": 3}'},
+        {"role": "assistant", "content": "3 °C."},
+        {"role": "user", "content": "Thanks"},
+    ]
+    expected = reference.apply_chat_template(
+        conversation, tools=[WEATHER], chat_template=source, tokenize=False, add_generation_prompt=True
+    )
+    assert '<|assistant|>get_weather \n{"city": "Zürich", "days": 2}<|observation|>\n{"temp": 3}' in expected
+    renderer = ChatTemplateRenderer(reference, max_chars=1 << 20)
+    job = renderer.job(conversation, chat_template=source, tools=[WEATHER], add_generation_prompt=True)
+    assert renderer.render(job, timeout_s=5.0) == expected

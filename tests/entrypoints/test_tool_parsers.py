@@ -257,7 +257,7 @@ def test_mistral_reads_on_after_a_marker_that_is_not_calls():
 
 
 def test_tool_parser_names_the_known_parsers():
-    assert set(TOOL_PARSERS) == {"glm45", "hermes", "llama3_json", "mistral"}
+    assert set(TOOL_PARSERS) == {"glm4", "glm45", "hermes", "llama3_json", "mistral"}
     with pytest.raises(ValueError, match="glm45, hermes, llama3_json, mistral"):
         tool_parser("nope")
 

@@ -8,12 +8,14 @@ from heteroserve.entrypoints.openai.tool_parsers.base import (
     ToolCallStream,
     ToolParser,
 )
+from heteroserve.entrypoints.openai.tool_parsers.glm4 import Glm4ToolParser
 from heteroserve.entrypoints.openai.tool_parsers.glm45 import Glm45ToolParser
 from heteroserve.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from heteroserve.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from heteroserve.entrypoints.openai.tool_parsers.mistral import MistralToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "glm4": Glm4ToolParser,
     "glm45": Glm45ToolParser,
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,

@@ -77,8 +77,8 @@ class Glm45ToolParser(ToolParser):
 
     def argument_value(self, function: str, key: str, text: str) -> object:
         """An argument as the model wrote it, read as its parameter's schema says (see the module's docstring)."""
-        schema = _parameter_schema(self.tools, function, key)
-        if _is_text(schema):
+        schema = parameter_schema(self.tools, function, key)
+        if is_text(schema):
             return text
         try:
             value = json.loads(text, parse_constant=_refuse)
@@ -90,7 +90,7 @@ class Glm45ToolParser(ToolParser):
         return value
 
 
-def _parameter_schema(tools: list[dict] | None, function: str, key: str) -> dict | None:
+def parameter_schema(tools: list[dict] | None, function: str, key: str) -> dict | None:
     for tool in tools or []:
         spec = tool.get("function", tool)
         if spec.get("name") == function:
@@ -100,7 +100,7 @@ def _parameter_schema(tools: list[dict] | None, function: str, key: str) -> dict
     return None
 
 
-def _is_text(schema: dict | None) -> bool:
+def is_text(schema: dict | None) -> bool:
     """The parameter takes only strings: type "string", or no type and an enum of strings."""
     if schema is None:
         return False
@@ -122,7 +122,7 @@ def _refuse(constant: str) -> None:
     raise ValueError(f"{constant} is not JSON")
 
 
-class _OpenCall:
+class OpenCall:
     """The call being streamed, as `ToolCallStream._forward` reads a reader: its name and arguments so far."""
 
     status = CallStatus.CALL
@@ -138,7 +138,7 @@ class Glm45Stream(ToolCallStream):
     def __init__(self, argument_value: Callable[[str, str, str], object]) -> None:
         super().__init__()
         self._argument_value = argument_value
-        self._call: _OpenCall | None = None  # the call this block opened, once it has
+        self._call: OpenCall | None = None  # the call this block opened, once it has
         self._name = self._key = ""
 
     def _read_content(self) -> bool:
@@ -205,7 +205,7 @@ class Glm45Stream(ToolCallStream):
 
     def _open(self) -> None:
         if self._call is None:
-            self._call = _OpenCall(self._name)
+            self._call = OpenCall(self._name)
             self._forward(self._call)
 
     def _close(self) -> None:
