@@ -4,6 +4,7 @@ The layer's order of operations is fixed (decoder.DecoderLayer):
 
     h = pre_norm(x) if pre_norms else x
     a = o_proj(attention(rotary(qk_norm(qkv_proj(h)))))          # scale, soft-cap and window from the spec
+      or latent_attention(h)                                       # multi-head latent attention where it has `mla`
     x = x + residual_scale * (attn_output_norm(a) if output_norms else a)
     h = post_attention_norm(x) if pre_norms else x
     m = down_proj(act(gate) * up)                                  # silu (SwiGLU) or tanh GELU (GeGLU)
@@ -48,8 +49,22 @@ class MoESpec:
     num_groups: int = 1
     top_groups: int = 1
     routed_scale: float = 1.0
+    group_score: str = "top2_sum"  # a group's score: its two best experts' sum, or its best ("max", DeepSeek-V2)
     shared_intermediate_size: int = 0  # 0: no shared experts
     shared_gate: bool = False
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3, model/mla.py). Keys and values of every head are projections of
+    one `kv_lora_rank` latent a token, which the KV cache holds with the token's rotary key (`qk_rope_head_dim`,
+    shared by the heads); queries go through a `q_lora_rank` bottleneck where it is set."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,7 @@ class LayerSpec:
     mlp_bias: bool = False
     residual_scale: float = 1.0  # sublayer outputs are scaled before the residual add (Granite)
     moe: MoESpec | None = None  # the MLP is a mixture of experts (with `activation`'s gate)
+    mla: MLASpec | None = None  # the attention is multi-head latent attention
 
     def traits(self) -> dict[str, object]:
         """The fields that differ from their defaults, with their values."""
@@ -133,6 +149,9 @@ class ModelArch:
     checkpoint: CheckpointLayout = CheckpointLayout()
     # Why the context may not exceed max_position_embeddings (None: it may, with a warning).
     context_limit: str | None = None
+    # The V cache is the K cache's first dimensions (latent attention: num_kv_heads 1, head_dim the latent and the
+    # rotary key), so the KV cache holds one tensor a layer instead of two.
+    values_in_keys: bool = False
 
     @classmethod
     def from_hf_config(cls, config) -> ModelArch:
@@ -158,12 +177,18 @@ class ModelArch:
         windows = {layer.sliding_window for layer in self.layers}
         return ([None] if None in windows else []) + sorted(w for w in windows if w is not None)
 
+    @property
+    def rotary_head_dim(self) -> int:
+        """The width of the dimensions the rotary tables rotate: a head's, or latent attention's rotary key's."""
+        mla = self.layers[0].mla if self.layers else None
+        return mla.qk_rope_head_dim if mla is not None else self.head_dim
+
     def qk_row_order(self) -> torch.Tensor | None:
         """The order our q/k projection rows take within each head (row j reads the checkpoint's row order[j]), so
         that the table's rotate-half rotary computes the family's: rotated pairs (i, i + rotary_dim / 2), or
         adjacent (2i, 2i + 1) where the checkpoint interleaves them, sit at (i, i + head_dim / 2), and the
         dimensions that pass through fill the columns whose frequency is zero. None where it is the identity."""
-        d = self.head_dim
+        d = self.rotary_head_dim
         dims = {spec.rotary_dim for spec in self.rotary.values() if spec.rotary_dim}
         if len(dims) > 1:
             raise ValueError(f"rotary tables of different dimensions {sorted(dims)} cannot share one q/k row order")

@@ -21,6 +21,7 @@ from heteroserve.distributed.parallel_state import ParallelGroups
 from heteroserve.model.arch import ROTARY_GLOBAL, LayerSpec, ModelArch
 from heteroserve.model.layers.norm import RMSNorm
 from heteroserve.model.layers.rotary import MRotaryEmbedding, RotaryEmbedding, rotary_embedding
+from heteroserve.model.mla import LatentAttention
 from heteroserve.model.moe import MoEBlock
 from heteroserve.model.sharding import ModelShard
 from heteroserve.platforms.attention import AttentionBackend
@@ -110,6 +111,10 @@ class Attention(nn.Module):
             )
         self.softcap_argument = {} if spec.attn_softcap is None else {"softcap": spec.attn_softcap}
 
+    def projections(self) -> list[str]:
+        """The names of this block's weights that go through the platform's linear op."""
+        return ["qkv_proj", "o_proj"]
+
     def forward(self, x, positions, rotary, kv_cache, meta, lora: LoRABatch | None) -> torch.Tensor:
         qkv = self.linear(x, self.qkv_proj, self.qkv_bias)
         if lora is not None:
@@ -158,7 +163,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps, ops) if spec.pre_norms else None
         self.attn_output_norm = RMSNorm(h, eps, ops) if spec.output_norms else None
         self.mlp_output_norm = RMSNorm(h, eps, ops) if spec.output_norms else None
-        self.self_attn = Attention(arch, spec, ops, parallel, backend, index)
+        if spec.mla is None:
+            self.self_attn = Attention(arch, spec, ops, parallel, backend, index)
+        else:
+            self.self_attn = LatentAttention(arch, spec, ops, parallel, backend, index, arch.attn_scale)
         self.activation = {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}[spec.activation]
         dense = spec.moe is None
         if not dense and spec.mlp_bias:
@@ -260,7 +268,7 @@ class DecoderModel(nn.Module):
         text_config = hf_config.get_text_config()
         self.rotaries = nn.ModuleDict(
             {
-                kind: rotary_embedding(text_config, spec, arch.head_dim, max_positions, self.ops)
+                kind: rotary_embedding(text_config, spec, arch.rotary_head_dim, max_positions, self.ops)
                 for kind, spec in arch.rotary.items()
             }
         )
@@ -269,14 +277,16 @@ class DecoderModel(nn.Module):
     def prepare_weights(self) -> None:
         """Hands every projection weight to the linear kernel once (repacking); call after loading."""
         for layer in self.layers:
-            for owner, name in (
-                (layer.self_attn, "qkv_proj"),
-                (layer.self_attn, "o_proj"),
+            attn = layer.self_attn
+            projections = [(attn, name) for name in attn.projections()] + [
                 (layer, "gate_up_proj"),
                 (layer, "down_proj"),
-            ):
+            ]
+            for owner, name in projections:
                 if getattr(owner, name) is not None:
                     self._prepare(owner, name, getattr(owner, name))
+            if isinstance(attn, LatentAttention):
+                attn.absorb()
             if layer.moe is not None:
                 layer.moe.prepare_weights(self.linear.prepare)
         if self.has_lm_head:

@@ -10,12 +10,15 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from transformers.modeling_rope_utils import yarn_apply_mscale
+
 from heteroserve.model.arch import (
     ROTARY_GLOBAL,
     ROTARY_LOCAL,
     ROTARY_NONE,
     CheckpointLayout,
     LayerSpec,
+    MLASpec,
     ModelArch,
     MoESpec,
     RotarySpec,
@@ -43,6 +46,8 @@ class Family:
     logits_scale: float = 1.0
     final_softcap: float | None = None
     checkpoint: CheckpointLayout = field(default_factory=CheckpointLayout)
+    # The KV cache's heads and head size where they are not the attention's (latent attention: one latent a token)
+    kv_cache_heads: tuple[int, int] | None = None
 
 
 def _windows(config, every_layer: bool = False) -> Callable[[int], int | None]:
@@ -287,6 +292,45 @@ def _glm4_moe(config) -> Family:
     )
 
 
+def _deepseek(config) -> Family:
+    """DeepSeek-V2 (softmax scores, greedy or group-limited by each group's best expert) and V3 / Kimi K2
+    (sigmoid scores with a correction bias, groups by their two best): latent attention, shared experts, dense
+    layers before `first_k_dense_replace`, rotary pairs adjacent (V2 always, V3 where `rope_interleave`)."""
+    if config.attention_bias:
+        raise ValueError(f"{config.model_type} with attention_bias: biases in latent attention are not implemented")
+    v3 = config.model_type == "deepseek_v3"
+    mla = MLASpec(
+        config.q_lora_rank, config.kv_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+    )
+    routing: dict = {"scoring": "sigmoid", "correction_bias": True} if v3 else {"group_score": "max"}
+    if not v3 and config.topk_method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"deepseek_v2 topk_method {config.topk_method!r} is not implemented")
+    grouped = v3 or config.topk_method == "group_limited_greedy"
+    moe = MoESpec(
+        config.n_routed_experts,
+        config.num_experts_per_tok,
+        config.moe_intermediate_size,
+        renormalize=bool(config.norm_topk_prob),
+        num_groups=config.n_group if grouped else 1,
+        top_groups=config.topk_group if grouped else 1,
+        routed_scale=float(config.routed_scaling_factor),
+        shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+        **routing,
+    )
+    first_moe = config.first_k_dense_replace
+    qk_scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    return Family(
+        layer=lambda i: LayerSpec(mla=mla, moe=moe if i >= first_moe else None),
+        rotary={ROTARY_GLOBAL: RotarySpec(config.qk_rope_head_dim)},
+        attn_scale=yarn_apply_mscale(config.rope_parameters, qk_scale),
+        checkpoint=CheckpointLayout(
+            interleaved_rotary=not v3 or bool(getattr(config, "rope_interleave", True)),
+            extra_layers=getattr(config, "num_nextn_predict_layers", 0) or 0,
+        ),
+        kv_cache_heads=(1, config.kv_lora_rank + config.qk_rope_head_dim),
+    )
+
+
 def _gelu_tanh(config, key: str) -> str:
     act = getattr(config, key, None) or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
@@ -314,6 +358,8 @@ FAMILIES: dict[str, Callable[..., Family]] = {
     "qwen3_moe": _qwen3_moe,
     "ernie4_5_moe": _ernie4_5_moe,
     "glm4_moe": _glm4_moe,
+    "deepseek_v2": _deepseek,
+    "deepseek_v3": _deepseek,
 }
 
 
@@ -339,6 +385,9 @@ def arch_of(config) -> ModelArch:
         raise ValueError(f"unsupported activation {act!r} for {family_name}; implemented: silu")
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    if family.kv_cache_heads is not None:
+        num_kv_heads, head_dim = family.kv_cache_heads
     rotary = family.rotary
     if rotary is None:
         factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
@@ -363,7 +412,7 @@ def arch_of(config) -> ModelArch:
         hidden_size=config.hidden_size,
         num_layers=config.num_hidden_layers,
         num_heads=num_heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         intermediate_size=config.intermediate_size,
         rms_norm_eps=config.rms_norm_eps,
@@ -377,4 +426,5 @@ def arch_of(config) -> ModelArch:
         final_softcap=family.final_softcap,
         checkpoint=family.checkpoint,
         context_limit=context_limit,
+        values_in_keys=family.kv_cache_heads is not None,
     )

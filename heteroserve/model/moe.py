@@ -28,7 +28,10 @@ def route(
     choice = scores if correction_bias is None else scores + correction_bias
     if spec.num_groups > 1:
         grouped = choice.view(len(choice), spec.num_groups, -1)
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        if spec.group_score == "max":
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
         best_groups = group_scores.topk(spec.top_groups, dim=-1).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
         choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)

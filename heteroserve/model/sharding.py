@@ -153,6 +153,11 @@ def check_tensor_parallel(arch: ModelArch, tp: int) -> None:
             f"{arch.model_type} normalises q and k over all heads at once, which tensor parallelism would split; "
             "run it on one rank (tensor_parallel_size=1)"
         )
+    if tp > 1 and any(layer.mla is not None for layer in arch.layers):
+        raise ValueError(
+            f"{arch.model_type}: tensor parallelism over latent attention (its heads' shares of kv_b_proj and the "
+            "replicated latent) is not implemented; run it on one rank or over pipeline stages"
+        )
     problem = _split_problem(arch, tp)
     if problem:
         sizes = [n for n in range(1, arch.num_heads + 1) if not _split_problem(arch, n)]

@@ -87,10 +87,12 @@ class ModelRunner:
             budget, cache_config.num_kv_blocks, loaded.max_model_len, max_num_batched_tokens
         )
         self.num_blocks = self.kv_groups[0].num_blocks  # the full-attention layers' where the model has any
-        # One tensor per group [its layers, 2, blocks, block_size, kv heads, head_dim]; layer i reads its slice.
+        # One tensor per group [its layers, 2, blocks, block_size, kv heads, head_dim]; layer i reads its slice. Where
+        # the values are the keys' first dimensions (latent attention), one plane instead of 2, read as both.
+        planes = 1 if self.arch.values_in_keys else 2
         self.kv_caches = [
             torch.zeros(
-                (len(layers), 2, group.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim),
+                (len(layers), planes, group.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim),
                 dtype=self.cache_dtype,
                 device=self.device,
             )
@@ -100,7 +102,7 @@ class ModelRunner:
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = [None] * self.arch.num_layers
         for layers, cache in zip(self.group_layers, self.kv_caches, strict=True):
             for j, i in enumerate(layers):
-                self.layer_caches[i] = (cache[j, 0], cache[j, 1])
+                self.layer_caches[i] = (cache[j, 0], cache[j, planes - 1])
         self.attn_backend = loaded.model.attn_backend
         self.sampler = Sampler(self.model.ops.argmax_rows)
         self.pooler = loaded.pooler  # a decoder serving embeddings: pooled hidden states instead of tokens
@@ -115,7 +117,8 @@ class ModelRunner:
         """Bytes of one block of `num_layers` layers (all of them by default)."""
         a = self.arch
         layers = a.num_layers if num_layers is None else num_layers
-        return 2 * layers * self.block_size * a.num_kv_heads * a.head_dim * self.cache_dtype.itemsize
+        planes = 1 if a.values_in_keys else 2
+        return planes * layers * self.block_size * a.num_kv_heads * a.head_dim * self.cache_dtype.itemsize
 
     def _size_groups(
         self, budget: int | None, num_kv_blocks: int | None, max_model_len: int, max_num_batched_tokens: int

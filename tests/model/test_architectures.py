@@ -89,6 +89,8 @@ def test_checkpoint_exercises_its_architecture(tiny):
         "mixtral": [{"num_experts_per_tok": 1}],
         "qwen2_moe": [{"norm_topk_prob": True}],
         "glm4_moe": [{"routed_scaling_factor": 1.0}, {"n_group": 1, "topk_group": 1}],
+        "deepseek_v2": [{"topk_method": "greedy"}],
+        "deepseek_v3": [{"rope_interleave": False}, {"n_group": 1, "topk_group": 1}],
     }.get(tiny.name, [])
     ids = prompts(99, [40], config.vocab_size)[0]
     base = tiny.reference.logits(ids)
@@ -273,3 +275,27 @@ def test_longrope_context_is_its_original_one(tmp_path):
     assert LLM(model=str(tiny.folder), num_kv_blocks=32).engine.max_model_len == 128
     with pytest.raises(ValueError, match="LongRoPE's long factors"):
         LLM(model=str(tiny.folder), max_model_len=200, num_kv_blocks=32)
+
+
+def test_latent_attention_caches_one_latent_a_token(tmp_path, greedy_comparison):
+    """DeepSeek's KV cache holds the latent and the rotary key once a token (32 + 8 values a layer here, one tensor
+    read as both keys and values), where the attention it computes has 4 heads of 24-wide keys and 16-wide values
+    (160 values a token and layer in a multi-head cache). Over two pipeline stages too; tensor parallelism refused."""
+    tiny = save_tiny("deepseek_v3", tmp_path)
+    llm = tiny.llm(block_size=4)
+    runner = llm.engine.runner
+    layers = tiny.reference.model.config.num_hidden_layers
+    assert runner.bytes_per_block() == layers * 4 * (32 + 8) * 4
+    assert all(k.data_ptr() == v.data_ptr() for k, v in runner.layer_caches)
+    token_prompts = prompts(8, [50, 9], tiny.vocab_size)
+    _check_all(
+        tiny, "latent", run(llm, token_prompts, greedy_params(tiny.vocab_size)), token_prompts, greedy_comparison
+    )
+    staged = tiny.llm(pipeline_parallel_size=2)
+    try:
+        outputs = run(staged, token_prompts, greedy_params(tiny.vocab_size, prompt_logprobs=False))
+        _check_all(tiny, "latent-pp2", outputs, token_prompts, greedy_comparison, expect_prompt_logprobs=False)
+    finally:
+        staged.shutdown()
+    with pytest.raises(ValueError, match="tensor parallelism over latent attention"):
+        tiny.llm(tensor_parallel_size=2)

@@ -198,6 +198,76 @@ SPECS: dict[str, tuple[str, dict]] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
         },
     ),
+    # DeepSeek-V2-Lite's shape: latent attention without a query bottleneck (a 32-wide latent for 4 heads of
+    # 16 + 8 rotary), YaRN with its mscale, top-3 of softmax scores within the best 2 of 4 groups by each group's
+    # best expert, two shared experts, a dense first layer.
+    "deepseek_v2": (
+        "deepseek_v2",
+        {
+            "tie_word_embeddings": False,
+            "head_dim": 8,
+            "num_key_value_heads": 4,  # transformers expands the latent to every head
+            "q_lora_rank": None,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 2,
+            "first_k_dense_replace": 1,
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 1.5,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+            },
+        },
+    ),
+    # DeepSeek-V3's shape: a query bottleneck, sigmoid scores with a correction bias chosen within the best 2 of 4
+    # groups by their two best, renormalised and scaled; YaRN whose mscale and mscale_all_dim differ.
+    "deepseek_v3": (
+        "deepseek_v3",
+        {
+            "tie_word_embeddings": False,
+            "head_dim": 8,
+            "num_key_value_heads": 4,  # transformers expands the latent to every head
+            "q_lora_rank": 48,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "num_nextn_predict_layers": 0,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.8,
+            },
+        },
+    ),
 }
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from heteroserve.model.arch import LayerSpec, MoESpec
+from heteroserve.model.arch import LayerSpec, MLASpec, MoESpec
 from heteroserve.platforms.cpu_decode_layer import fuse_decode_layer
 from heteroserve.platforms.cpu_int4 import CpuInt4Weight
 from heteroserve.platforms.cpu_int8 import CpuGroupedInt8Weight, CpuInt8Weight
@@ -81,6 +81,7 @@ LAYER_TRAITS: dict[str, tuple[Callable[[DecodeLayerWeights], DecodeLayerWeights]
     "mlp_bias": (_trait("mlp_bias", True), False),
     "residual_scale": (_trait("residual_scale", 0.5), False),
     "moe": (_trait("moe", MoESpec(8, 2, HIDDEN), gate_up=None, down=None), False),
+    "mla": (_trait("mla", MLASpec(None, 32, 16, 8, 16), qkv=None), False),
 }
 # Other things a layer may have -> (how it gets it, whether the fused layer takes it).
 TRAITS: dict[str, tuple[Callable[[DecodeLayerWeights], DecodeLayerWeights], bool]] = {

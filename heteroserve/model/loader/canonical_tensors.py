@@ -23,7 +23,8 @@ _EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 def canonical_tensors(tensors: Iterable[tuple[str, object]], arch: ModelArch) -> Iterator[tuple[str, object]]:
     layout = arch.checkpoint
-    order = arch.qk_row_order()
+    latent = any(layer.mla is not None for layer in arch.layers)
+    order = None if latent else arch.qk_row_order()  # latent attention orders its rotary rows at load (weights.py)
     for name, tensor in tensors:
         match = _LAYER.match(name)
         if match is None:

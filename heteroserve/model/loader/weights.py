@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 
 from heteroserve.model.decoder import DecoderModel
+from heteroserve.model.mla import LatentAttention
 from heteroserve.model.moe import MoEBlock
 from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.int4 import Int4Weight, quantize_int4
@@ -23,6 +24,9 @@ _PROJECTIONS = (
     "gate_proj.weight",
     "up_proj.weight",
     "down_proj.weight",
+    "q_a_proj.weight",  # latent attention's (kv_b_proj stays dense: its heads are absorbed into the queries)
+    "q_b_proj.weight",
+    "kv_a_proj_with_mqa.weight",
 )
 
 Weight = torch.Tensor | Int4Weight | Int8Weight | PermutedInput
@@ -77,13 +81,10 @@ def load_weights(model: DecoderModel, tensors: Iterable[tuple[str, Weight]], dty
             raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
         return tensor.to(dtype) if isinstance(tensor, torch.Tensor) else tensor  # compressed ones stay so
 
-    def put(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-        param.data = value.contiguous()
-
     h, d = arch.hidden_size, arch.head_dim
     q_rows, kv_rows, inter = arch.num_heads * d, arch.num_kv_heads * d, arch.intermediate_size
     _put_linear(model, "embed_tokens", take("model.embed_tokens.weight", (arch.vocab_size, h)))
-    put(model.norm.weight, take("model.norm.weight", (h,)))
+    _put(model.norm.weight, take("model.norm.weight", (h,)))
     if model.lm_head is not None:
         _put_linear(model, "lm_head", take("lm_head.weight", (arch.vocab_size, h)))
     else:
@@ -93,22 +94,11 @@ def load_weights(model: DecoderModel, tensors: Iterable[tuple[str, Weight]], dty
         attn = layer.self_attn
         for norm in ("input_layernorm", "post_attention_layernorm", "attn_output_norm", "mlp_output_norm"):
             if getattr(layer, norm) is not None:
-                put(getattr(layer, norm).weight, take(f"{p}{norm}.weight", (h,)))
-        qkv = [
-            take(p + "self_attn.q_proj.weight", (q_rows, h)),
-            take(p + "self_attn.k_proj.weight", (kv_rows, h)),
-            take(p + "self_attn.v_proj.weight", (kv_rows, h)),
-        ]
-        _put_linear(attn, "qkv_proj", _cat(qkv, dtype))
-        if attn.qkv_bias is not None:
-            parts = (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
-            put(attn.qkv_bias, torch.cat([take(f"{p}self_attn.{n}_proj.bias", (rows,)) for n, rows in parts]))
-        if attn.q_norm is not None:
-            put(attn.q_norm.weight, take(p + "self_attn.q_norm.weight", tuple(attn.q_norm.weight.shape)))
-            put(attn.k_norm.weight, take(p + "self_attn.k_norm.weight", tuple(attn.k_norm.weight.shape)))
-        _put_linear(attn, "o_proj", take(p + "self_attn.o_proj.weight", (h, q_rows)))
-        if attn.o_bias is not None:
-            put(attn.o_bias, take(p + "self_attn.o_proj.bias", (h,)))
+                _put(getattr(layer, norm).weight, take(f"{p}{norm}.weight", (h,)))
+        if isinstance(attn, LatentAttention):
+            _load_latent_attention(attn, p + "self_attn.", take, arch.qk_row_order(), h)
+        else:
+            _load_attention(attn, p + "self_attn.", take, dtype, (q_rows, kv_rows, h))
         if layer.moe is not None:
             _load_experts(layer.moe, p + "mlp.", take, found, dtype)
             continue
@@ -116,11 +106,68 @@ def load_weights(model: DecoderModel, tensors: Iterable[tuple[str, Weight]], dty
         _put_linear(layer, "gate_up_proj", _cat(gate_up, dtype))
         _put_linear(layer, "down_proj", take(p + "mlp.down_proj.weight", (h, inter)))
         if layer.gate_up_bias is not None:
-            put(layer.gate_up_bias, torch.cat([take(f"{p}mlp.{n}_proj.bias", (inter,)) for n in ("gate", "up")]))
-            put(layer.down_bias, take(p + "mlp.down_proj.bias", (h,)))
+            _put(layer.gate_up_bias, torch.cat([take(f"{p}mlp.{n}_proj.bias", (inter,)) for n in ("gate", "up")]))
+            _put(layer.down_bias, take(p + "mlp.down_proj.bias", (h,)))
     unused = [name for name in found if "rotary_emb" not in name]
     if unused:
         raise ValueError(f"checkpoint has tensors this architecture does not use: {unused[:5]}")
+
+
+def _load_attention(attn, p: str, take, dtype: torch.dtype, sizes: tuple[int, int, int]) -> None:
+    """q/k/v fused into one projection, with its biases and q/k norms where the block has them."""
+    q_rows, kv_rows, h = sizes
+    qkv = [take(p + "q_proj.weight", (q_rows, h)), take(p + "k_proj.weight", (kv_rows, h))]
+    _put_linear(attn, "qkv_proj", _cat([*qkv, take(p + "v_proj.weight", (kv_rows, h))], dtype))
+    if attn.qkv_bias is not None:
+        parts = (("q", q_rows), ("k", kv_rows), ("v", kv_rows))
+        _put(attn.qkv_bias, torch.cat([take(f"{p}{n}_proj.bias", (rows,)) for n, rows in parts]))
+    if attn.q_norm is not None:
+        _put(attn.q_norm.weight, take(p + "q_norm.weight", tuple(attn.q_norm.weight.shape)))
+        _put(attn.k_norm.weight, take(p + "k_norm.weight", tuple(attn.k_norm.weight.shape)))
+    _put_linear(attn, "o_proj", take(p + "o_proj.weight", (h, q_rows)))
+    if attn.o_bias is not None:
+        _put(attn.o_bias, take(p + "o_proj.bias", (h,)))
+
+
+def _load_latent_attention(attn: LatentAttention, p: str, take, rotary_order: torch.Tensor | None, h: int) -> None:
+    """Latent attention's projections; where the checkpoint's rotary pairs are adjacent, the rotary rows of the
+    query (in each head, after its non-rotary rows) and of the rotary key (after the latent) are reordered as
+    ModelArch.qk_row_order says, so the rotate-half tables compute the same rotation."""
+    mla, heads = attn.mla, attn.num_heads
+    qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+
+    def rotary_rows(weight, groups: int, width: int):
+        if rotary_order is None:
+            return weight
+        inside = torch.cat([torch.arange(width - mla.qk_rope_head_dim), width - mla.qk_rope_head_dim + rotary_order])
+        return _permute_rows(weight, (torch.arange(groups)[:, None] * width + inside[None, :]).flatten())
+
+    if mla.q_lora_rank is None:
+        _put_linear(attn, "q_proj", rotary_rows(take(p + "q_proj.weight", (heads * qk_dim, h)), heads, qk_dim))
+    else:
+        _put_linear(attn, "q_a_proj", take(p + "q_a_proj.weight", (mla.q_lora_rank, h)))
+        _put(attn.q_a_layernorm.weight, take(p + "q_a_layernorm.weight", (mla.q_lora_rank,)))
+        q_b = take(p + "q_b_proj.weight", (heads * qk_dim, mla.q_lora_rank))
+        _put_linear(attn, "q_b_proj", rotary_rows(q_b, heads, qk_dim))
+    latent = mla.kv_lora_rank + mla.qk_rope_head_dim
+    kv_a = take(p + "kv_a_proj_with_mqa.weight", (latent, h))
+    _put_linear(attn, "kv_a_proj", rotary_rows(kv_a, 1, latent))
+    _put(attn.kv_a_layernorm.weight, take(p + "kv_a_layernorm.weight", (mla.kv_lora_rank,)))
+    kv_b = take(p + "kv_b_proj.weight", (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank))
+    _put(attn.kv_b_proj, kv_b if isinstance(kv_b, torch.Tensor) else kv_b.dequantize(torch.float32))
+    _put_linear(attn, "o_proj", take(p + "o_proj.weight", (h, heads * mla.v_head_dim)))
+
+
+def _permute_rows(weight: Weight, rows: torch.Tensor) -> Weight:
+    if isinstance(weight, torch.Tensor):
+        return weight[rows]
+    if not hasattr(weight, "permute_rows"):
+        raise ValueError(f"{type(weight).__name__} weights cannot reorder their rows for this model's rotary")
+    return weight.permute_rows(rows)
+
+
+def _put(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    param.data = value.contiguous()
 
 
 def _load_experts(moe: MoEBlock, prefix: str, take, found: dict, dtype: torch.dtype) -> None:
