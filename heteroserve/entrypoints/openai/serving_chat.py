@@ -40,6 +40,7 @@ from heteroserve.entrypoints.openai.serving import (
     usage,
 )
 from heteroserve.entrypoints.openai.template_workers import TemplateWorkers
+from heteroserve.entrypoints.openai.tool_parsers import tool_parser
 from heteroserve.entrypoints.openai.tools import forced_calls_params, named_function, template_tool_calls
 from heteroserve.metrics.prometheus import ServerMetrics
 from heteroserve.multimodal.chat import split_images
@@ -163,6 +164,11 @@ class ServingChat(OpenAIServing):
         tools = None
         if request.tools and request.tool_choice != "none":
             tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+        if self.settings.tool_call_parser is not None:  # the model's format for calls is its history's too
+            try:
+                messages = tool_parser(self.settings.tool_call_parser).template_messages(messages, tools)
+            except ValueError as exc:
+                raise APIError(400, str(exc), "messages") from exc
         options = template_options(request)
         by_request = deadline is not None and deadline < template_deadline
         # What a rendering too slow or too large is blamed on: the request's template, or its messages.

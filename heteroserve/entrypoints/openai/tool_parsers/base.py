@@ -171,3 +171,10 @@ class ToolParser(ABC):
     @abstractmethod
     def stream(self) -> ToolCallStream:
         """A reader for one output arriving in pieces."""
+
+    @classmethod
+    def template_messages(cls, messages: list[dict], tools: list[dict] | None) -> list[dict]:
+        """The history (template messages: OpenAI roles, `tool_calls` with arguments as objects) in the form the
+        model's chat template reads past calls and results in; as it is by default. A history the form cannot
+        express is a ValueError that names the message."""
+        return messages

@@ -19,6 +19,14 @@ Streaming opens a call when its object's `{` arrives after a name line, then sen
 its value is complete, as pieces of the arguments' JSON text. The stream cannot take back a call it opened: when
 the object breaks or stops (max_tokens) after that, the call closes with the arguments it has and the rest is
 content, while `extract` reports that text as content.
+
+A history reaches the templates in their own form, since they drop OpenAI's `tool_calls` and `tool` turns: an
+assistant turn's text (when it has any) stays a turn of its own, then each call becomes an assistant turn whose
+`metadata` is the name and whose content is the arguments' JSON, followed by its result as an `observation` turn
+(the tool turn answering it: by `tool_call_id`, else the first call not answered yet), as the model writes one call
+and stops at `<|observation|>`. The request's tools go on the first turn as `tools` too, where glm-4-9b-chat's
+template reads them (GLM-4-0414's reads the `tools` variable and ignores the key). A tool turn that answers no call
+of the assistant turn before it cannot be written in this form, and is a ValueError.
 """
 
 from __future__ import annotations
@@ -87,6 +95,63 @@ class Glm4ToolParser(ToolParser):
         if not self.tools:
             return None
         return {tool.get("function", tool).get("name") for tool in self.tools}
+
+    @classmethod
+    def template_messages(cls, messages: list[dict], tools: list[dict] | None) -> list[dict]:
+        """The history in GLM-4's own form (see the module's docstring)."""
+        turns, index = [], 0
+        while index < len(messages):
+            message = messages[index]
+            if message["role"] == "tool":
+                raise ValueError(
+                    f"messages[{index}] is a tool message that follows no assistant message with tool_calls: "
+                    "GLM-4's chat template writes a tool's result only after the call it answers"
+                )
+            end = index + 1
+            if message["role"] == "assistant" and message.get("tool_calls"):
+                while end < len(messages) and messages[end]["role"] == "tool":
+                    end += 1
+                turns += _call_turns(message, index, messages[index + 1 : end])
+            else:
+                turns.append(message)
+            index = end
+        if tools and turns:
+            turns[0] = {**turns[0], "tools": tools}
+        return turns
+
+
+def _call_turns(message: dict, index: int, results: list[dict]) -> list[dict]:
+    """`messages[index]`, an assistant message with tool calls, and the tool messages after it (`results`) as
+    GLM-4 turns: its text, then each call followed by the result answering it."""
+    calls = message["tool_calls"]
+    answers: list[dict | None] = [None] * len(calls)
+    for offset, result in enumerate(results, index + 1):
+        call_id = result.get("tool_call_id")
+        waiting = [n for n, call in enumerate(calls) if answers[n] is None and call_id in (None, call.get("id"))]
+        if waiting:
+            answers[waiting[0]] = result
+        elif call_id is None:
+            raise ValueError(
+                f"messages[{offset}] is a tool message without tool_call_id, and every call of messages[{index}] "
+                "is answered already"
+            )
+        elif any(call.get("id") == call_id for call in calls):
+            raise ValueError(f"messages[{offset}] answers call {call_id!r} of messages[{index}] a second time")
+        else:
+            raise ValueError(f"messages[{offset}] answers call {call_id!r}, which messages[{index}] does not make")
+    text = message.get("content")
+    has_text = text.strip() if isinstance(text, str) else bool(text)
+    turns = [{"role": "assistant", "content": text}] if has_text else []
+    for call, answer in zip(calls, answers, strict=True):
+        arguments = call["function"]["arguments"]
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        turns.append({"role": "assistant", "metadata": call["function"]["name"], "content": arguments})
+        if answer is not None:
+            turns.append({"role": "observation", "content": answer["content"]})
+    # What else the message held (reasoning_content, ...) stays on its first turn; the templates ignore it.
+    turns[0].update({key: value for key, value in message.items() if key not in ("role", "content", "tool_calls")})
+    return turns
 
 
 def _name_line(text: str, names: set[str] | None) -> tuple[_Line, str, int]:
