@@ -86,20 +86,20 @@ class MoEBlock(nn.Module):
         spec = self.spec
         logits = F.linear(h.float(), self.router)
         weights, ids = route(logits, spec, self.correction_bias)
-        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         flat = ids.flatten()
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens ascending in each
         counts = torch.bincount(flat, minlength=spec.num_experts).tolist()
         token_of = order // spec.top_k
-        weight_of = weights.flatten()[order]
-        start = 0
+        rows = h[token_of]
+        outputs, start = [], 0
         for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token_of[start : start + count]
-            y = self._mlp(h[rows], self.experts_gate_up[expert], self.experts_down[expert])
-            out.index_add_(0, rows, y.float() * weight_of[start : start + count, None])
-            start += count
+            if count:
+                part = rows[start : start + count]
+                outputs.append(self._mlp(part, self.experts_gate_up[expert], self.experts_down[expert]))
+                start += count
+        weighted = torch.cat(outputs).float() * weights.flatten()[order, None]
+        # index_add_ adds a token's rows in their order here: its experts by ascending index, whatever the batch.
+        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device).index_add_(0, token_of, weighted)
         if self.shared_gate_up is not None:
             shared = self._mlp(h, self.shared_gate_up, self.shared_down).float()
             if self.shared_gate is not None:
