@@ -1,31 +1,26 @@
-"""`heteroserve bench throughput|latency|serve|vision|embed|soak|quality|threads`: the parser (the commands are
-in throughput_command.py, latency_command.py, serve_command.py, vision.py, embed.py, soak.py, quality.py and
-thread_environment.py)."""
+"""`heteroserve bench throughput|latency|serve|vision|embed|soak|quality|threads`: every command's flags.
+
+The commands themselves (throughput_command.py, latency_command.py, serve_command.py, vision.py, embed.py, soak.py,
+quality.py and thread_environment.py) import the engine and torch, so each is imported when it runs: building the
+`heteroserve` parser (`--help`, `chat`, `gateway`) stays light and imports nothing of the engine.
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from heteroserve.bench.embed import add_embed_parser
-from heteroserve.bench.harness import PEERS
-from heteroserve.bench.latency_command import run_latency_bench
-from heteroserve.bench.quality import add_quality_parser
-from heteroserve.bench.serve_command import run_serve_bench
-from heteroserve.bench.soak import run_soak_command
-from heteroserve.bench.thread_environment import add_threads_parser
-from heteroserve.bench.throughput_command import run_throughput_bench
-from heteroserve.bench.vision import add_vision_parser
+from heteroserve.bench import PEERS
 from heteroserve.engine.engine_args import EngineArgs
 
 
-def add_bench_parser(commands) -> None:
+def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="benchmark heteroserve against peers on the shared workload")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
-    add_vision_parser(kinds)
-    add_embed_parser(kinds)
-    add_quality_parser(kinds)
-    add_threads_parser(kinds)
+    _add_vision_parser(kinds)
+    _add_embed_parser(kinds)
+    _add_quality_parser(kinds)
+    _add_threads_parser(kinds)
     soak = kinds.add_parser(
         "soak",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -37,11 +32,11 @@ def add_bench_parser(commands) -> None:
     soak.add_argument("--concurrency", type=int, default=6, help="clients sending at once")
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--output-json", type=Path, default=None)
-    soak.set_defaults(handler=run_soak_command)
+    soak.set_defaults(handler=_run_soak)
     for name, handler in (
-        ("throughput", run_throughput_bench),
-        ("latency", run_latency_bench),
-        ("serve", run_serve_bench),
+        ("throughput", _run_throughput),
+        ("latency", _run_latency),
+        ("serve", _run_serve),
     ):
         sub = kinds.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         sub.add_argument("model", nargs="?", default=None)
@@ -141,3 +136,118 @@ def add_bench_parser(commands) -> None:
                 help="split that comparison over this many fresh server and offline-engine processes (our own "
                 "server only): the same prefill runs up to ~13 ms faster or slower from one process to the next",
             )
+
+
+def _add_vision_parser(kinds: argparse._SubParsersAction) -> None:
+    sub = kinds.add_parser(
+        "vision",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="one image + question through a vision-language model, ours vs transformers",
+    )
+    sub.add_argument("model", help="a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint folder")
+    sub.add_argument("--image-size", type=int, default=448, help="side of the square test image, in pixels")
+    sub.add_argument("--output-len", type=int, default=32)
+    sub.add_argument("--repeats", type=int, default=3)
+    sub.add_argument("--no-peer", action="store_true", help="skip transformers")
+    sub.add_argument("--output-json", type=Path, default=None)
+    EngineArgs.add_cli_args(sub)
+    sub.set_defaults(handler=_run_vision)
+
+
+def _add_embed_parser(kinds: argparse._SubParsersAction) -> None:
+    sub = kinds.add_parser(
+        "embed",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="passages of mixed lengths through an embedding model, ours against sentence-transformers",
+    )
+    sub.add_argument("model", nargs="?", default=None, help="a sentence-transformers folder (default: built)")
+    sub.add_argument("--passages", type=int, default=1000)
+    sub.add_argument("--min-tokens", type=int, default=32)
+    sub.add_argument("--max-tokens", type=int, default=512)
+    sub.add_argument("--hidden-size", type=int, default=64, help="width of the built encoder")
+    sub.add_argument("--layers", type=int, default=12, help="depth of the built encoder")
+    sub.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
+    sub.add_argument("--rounds", type=int, default=3, help="alternating rounds of each side")
+    sub.add_argument("--output-json", type=Path, default=None)
+    EngineArgs.add_cli_args(sub)
+    sub.set_defaults(handler=_run_embed)
+
+
+def _add_quality_parser(kinds: argparse._SubParsersAction) -> None:
+    sub = kinds.add_parser(
+        "quality",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="teacher-forced argmax agreement with float32 and perplexity of a narrower dtype on the workload",
+    )
+    sub.add_argument("model", nargs="?", default=None, help="default: the embedded model")
+    sub.add_argument("--num-prompts", type=int, default=64)
+    sub.add_argument("--input-len", type=int, default=128, help="prompt tokens (P)")
+    sub.add_argument("--output-json", type=Path, default=None)
+    EngineArgs.add_cli_args(sub)
+    sub.set_defaults(handler=_run_quality, dtype="bfloat16")
+
+
+def _add_threads_parser(kinds: argparse._SubParsersAction) -> None:
+    sub = kinds.add_parser(
+        "threads",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="scenario A decode under each OMP_WAIT_POLICY and beside a second engine, alternating rounds",
+    )
+    sub.add_argument("--rounds", type=int, default=3)
+    sub.add_argument("--repeats", type=int, default=3, help="generations per engine process (its median counts)")
+    sub.add_argument("--output-len", type=int, default=128)
+    sub.add_argument("--output-json", type=Path, default=None)
+    sub.add_argument(
+        "latency_args",
+        nargs=argparse.REMAINDER,
+        help="after --: the model and engine flags each `bench latency` process gets (e.g. -- --dtype float32)",
+    )
+    sub.set_defaults(handler=_run_threads)
+
+
+def _run_vision(args: argparse.Namespace) -> None:
+    from heteroserve.bench.vision import run_vision_bench
+
+    run_vision_bench(args)
+
+
+def _run_embed(args: argparse.Namespace) -> None:
+    from heteroserve.bench.embed import run_embed_bench
+
+    run_embed_bench(args)
+
+
+def _run_quality(args: argparse.Namespace) -> None:
+    from heteroserve.bench.quality import run_quality_bench
+
+    run_quality_bench(args)
+
+
+def _run_threads(args: argparse.Namespace) -> None:
+    from heteroserve.bench.thread_environment import run_threads_bench
+
+    run_threads_bench(args)
+
+
+def _run_soak(args: argparse.Namespace) -> None:
+    from heteroserve.bench.soak import run_soak_command
+
+    run_soak_command(args)
+
+
+def _run_throughput(args: argparse.Namespace) -> None:
+    from heteroserve.bench.throughput_command import run_throughput_bench
+
+    run_throughput_bench(args)
+
+
+def _run_latency(args: argparse.Namespace) -> None:
+    from heteroserve.bench.latency_command import run_latency_bench
+
+    run_latency_bench(args)
+
+
+def _run_serve(args: argparse.Namespace) -> None:
+    from heteroserve.bench.serve_command import run_serve_bench
+
+    run_serve_bench(args)

@@ -30,21 +30,6 @@ VOCABULARY_WORDS = 2000
 HEAD_SIZE = 32  # as MiniLM's and bge-small's heads (BERT-base's and bge-m3's are 64)
 
 
-def add_embed_parser(kinds) -> None:
-    sub = kinds.add_parser("embed", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help=__doc__)
-    sub.add_argument("model", nargs="?", default=None, help="a sentence-transformers folder (default: built)")
-    sub.add_argument("--passages", type=int, default=1000)
-    sub.add_argument("--min-tokens", type=int, default=32)
-    sub.add_argument("--max-tokens", type=int, default=512)
-    sub.add_argument("--hidden-size", type=int, default=64, help="width of the built encoder")
-    sub.add_argument("--layers", type=int, default=12, help="depth of the built encoder")
-    sub.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers' encode batch size")
-    sub.add_argument("--rounds", type=int, default=3, help="alternating rounds of each side")
-    sub.add_argument("--output-json", type=Path, default=None)
-    EngineArgs.add_cli_args(sub)
-    sub.set_defaults(handler=run_embed_bench)
-
-
 def build_encoder_folder(folder: Path, hidden_size: int, layers: int, max_tokens: int, seed: int) -> None:
     """A random BERT of the given shape with a word-level tokenizer, saved as a sentence-transformers model."""
     from sentence_transformers import SentenceTransformer, models

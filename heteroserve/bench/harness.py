@@ -10,12 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from heteroserve.bench import PEERS
 from heteroserve.bench.machine import describe_machine
 from heteroserve.bench.workload import jsonl_requests, random_requests, scenario_requests
 from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.engine.llm_engine import LLMEngine
 
-PEERS = ("hf", "llama-cpp", "vllm")
 T = TypeVar("T")
 
 

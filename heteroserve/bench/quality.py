@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import json
 import math
-from pathlib import Path
 
 from heteroserve.bench.workload import fingerprint, scenario_requests
 from heteroserve.engine.engine_args import EngineArgs
@@ -24,20 +23,6 @@ from heteroserve.outputs import RequestOutput
 from heteroserve.sampling_params import SamplingParams
 
 BASELINE_DTYPE = "float32"
-
-
-def add_quality_parser(kinds) -> None:
-    sub = kinds.add_parser(
-        "quality",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="teacher-forced argmax agreement with float32 and perplexity of a narrower dtype on the workload",
-    )
-    sub.add_argument("model", nargs="?", default=None, help="default: the embedded model")
-    sub.add_argument("--num-prompts", type=int, default=64)
-    sub.add_argument("--input-len", type=int, default=128, help="prompt tokens (P)")
-    sub.add_argument("--output-json", type=Path, default=None)
-    EngineArgs.add_cli_args(sub)
-    sub.set_defaults(handler=run_quality_bench, dtype="bfloat16")
 
 
 @dataclasses.dataclass

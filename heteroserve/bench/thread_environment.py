@@ -11,7 +11,6 @@ rate alone: two engines that share 2 cores fairly each run at about half speed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -30,24 +29,6 @@ SETTINGS: dict[str, dict[str, str | None]] = {
 }
 ALONE = "OMP_WAIT_POLICY unset"
 NEIGHBOUR = "beside a neighbour (two engines at once)"
-
-
-def add_threads_parser(kinds) -> None:
-    sub = kinds.add_parser(
-        "threads",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="scenario A decode under each OMP_WAIT_POLICY and beside a second engine, alternating rounds",
-    )
-    sub.add_argument("--rounds", type=int, default=3)
-    sub.add_argument("--repeats", type=int, default=3, help="generations per engine process (its median counts)")
-    sub.add_argument("--output-len", type=int, default=128)
-    sub.add_argument("--output-json", type=Path, default=None)
-    sub.add_argument(
-        "latency_args",
-        nargs=argparse.REMAINDER,
-        help="after --: the model and engine flags each `bench latency` process gets (e.g. -- --dtype float32)",
-    )
-    sub.set_defaults(handler=run_threads_bench)
 
 
 def _environment(setting: dict[str, str | None]) -> dict[str, str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,18 +21,6 @@ from heteroserve.platforms.cpu import process_threads, torch_at_process_threads
 from heteroserve.sampling_params import RequestOutputKind, SamplingParams
 
 QUESTION = "Describe this image."
-
-
-def add_vision_parser(kinds) -> None:
-    sub = kinds.add_parser("vision", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help=__doc__)
-    sub.add_argument("model", help="a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint folder")
-    sub.add_argument("--image-size", type=int, default=448, help="side of the square test image, in pixels")
-    sub.add_argument("--output-len", type=int, default=32)
-    sub.add_argument("--repeats", type=int, default=3)
-    sub.add_argument("--no-peer", action="store_true", help="skip transformers")
-    sub.add_argument("--output-json", type=Path, default=None)
-    EngineArgs.add_cli_args(sub)
-    sub.set_defaults(handler=run_vision_bench)
 
 
 def _median(runs: list[float]) -> float:

@@ -1,4 +1,9 @@
-"""The `heteroserve` command."""
+"""The `heteroserve` command.
+
+Its parser is built from modules that declare flags only (engine_args.py, chat_client.py, gateway/__init__.py,
+openai/server_args.py, bench/commands.py, export/command.py), and each command imports its implementation when it
+runs, so `--help`, `chat --url` and `gateway` start without loading torch or transformers.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from heteroserve.bench.commands import add_bench_parser
 from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.entrypoints.chat_client import add_chat_args, run_chat
 from heteroserve.entrypoints.gateway import add_gateway_args
-from heteroserve.entrypoints.openai.api_server import add_server_args
+from heteroserve.entrypoints.openai.server_args import add_server_args
 from heteroserve.export.command import add_export_parser
 
 
@@ -21,7 +26,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _gateway(args: argparse.Namespace) -> None:
-    from heteroserve.entrypoints.gateway import run_gateway
+    from heteroserve.entrypoints.gateway.app import run_gateway
 
     run_gateway(args)
 

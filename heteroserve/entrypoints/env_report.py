@@ -2,6 +2,7 @@
 
 Lists every platform (built-in and plugin, available or not), the one `--device` selects, versions of
 torch and the vendor extensions, the CPU's instruction sets, memory, and the kernel each operator runs.
+Loading torch and the platforms takes seconds, so the versions that need neither are printed first.
 """
 
 from __future__ import annotations
@@ -9,11 +10,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import platform as pyplatform
-
-import torch
-
-from heteroserve.platforms import BUILTIN_PLATFORMS, detect_platforms, resolve_platform
-from heteroserve.platforms.cpu import cpu_isa_flags, host_memory, isa_names
 
 GIB = 1024**3
 
@@ -25,15 +21,27 @@ def _version(distribution: str) -> str | None:
         return None
 
 
+def host_report() -> dict[str, object]:
+    """The fields that need neither torch nor the platforms."""
+    return {
+        "heteroserve": _version("heteroserve"),
+        "python": pyplatform.python_version(),
+        "os": pyplatform.platform(),
+    }
+
+
 def collect_env(device: str = "auto") -> dict[str, object]:
+    import torch
+
+    from heteroserve.platforms import BUILTIN_PLATFORMS, detect_platforms, resolve_platform
+    from heteroserve.platforms.cpu import cpu_isa_flags, host_memory, isa_names
+
     entries = detect_platforms()
     extensions = {cls.vendor_extension: None for cls in BUILTIN_PLATFORMS.values() if cls.vendor_extension}
     extensions.update({e.source.removeprefix("plugin "): None for e in entries if e.source.startswith("plugin ")})
     available, total = host_memory()
     report: dict[str, object] = {
-        "heteroserve": _version("heteroserve"),
-        "python": pyplatform.python_version(),
-        "os": pyplatform.platform(),
+        **host_report(),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "torch_hip": torch.version.hip,
@@ -69,10 +77,13 @@ def collect_env(device: str = "auto") -> dict[str, object]:
     return report
 
 
-def format_report(report: dict[str, object]) -> str:
-    lines = []
-    for key in ("heteroserve", "python", "os", "torch", "torch_cuda", "torch_hip"):
-        lines.append(f"{key + ':':<16}{report[key]}")
+def format_host(report: dict[str, object]) -> str:
+    return "\n".join(f"{key + ':':<16}{report[key]}" for key in host_report())
+
+
+def format_machine(report: dict[str, object]) -> str:
+    """Everything after format_host's lines."""
+    lines = [f"{key + ':':<16}{report[key]}" for key in ("torch", "torch_cuda", "torch_hip")]
     for name, version in report["extensions"].items():
         lines.append(f"{name + ':':<16}{version or 'not installed'}")
     cpu = report["cpu"]
@@ -106,5 +117,8 @@ def format_report(report: dict[str, object]) -> str:
 
 
 def print_env(device: str, as_json: bool) -> None:
-    report = collect_env(device)
-    print(json.dumps(report, indent=2) if as_json else format_report(report))
+    if as_json:
+        print(json.dumps(collect_env(device), indent=2))
+        return
+    print(format_host(host_report()), flush=True)  # at once, before the seconds collect_env takes
+    print(format_machine(collect_env(device)))

@@ -7,9 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from heteroserve.export.kv_layout import KV_LAYOUTS
-from heteroserve.export.options import DTYPES, INT4_WEIGHTS, ExportOptions, parse_static
-from heteroserve.export.vision_graph import parse_grid
+from heteroserve.export.options import DTYPES, INT4_WEIGHTS, KV_LAYOUTS, ExportOptions, parse_grid, parse_static
 
 
 def add_export_parser(commands: argparse._SubParsersAction) -> None:

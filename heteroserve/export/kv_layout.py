@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-KV_LAYOUTS = ("paged", "contiguous")
+from heteroserve.export.options import KV_LAYOUTS
 
 
 def _write(cache: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

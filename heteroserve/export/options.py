@@ -1,15 +1,19 @@
-"""What an export asks for, validated once: layout, dtype, static shapes, opset, where to write."""
+"""What an export asks for, validated once: layout, dtype, static shapes, opset, where to write.
+
+Imports no torch, so that the `heteroserve` command's parser can offer these choices without loading it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from heteroserve.export.kv_layout import KV_LAYOUTS
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "float16", "bfloat16")
+KV_LAYOUTS = ("paged", "contiguous")  # export/kv_layout.py's PagedKV and ContiguousKV
 # --static keys: the batch of both graphs, the prefill graph's rows per sequence, the paged cache's blocks.
 STATIC_KEYS = ("batch", "seq", "blocks")
 # How 4-bit projection weights are stored: dense in the export's dtype (every runtime), or compressed as
@@ -30,6 +34,15 @@ def parse_static(text: str | None) -> dict[str, int]:
             raise ValueError(f"--static: {key} must be a positive integer, got {value!r}")
         shapes[key] = int(value)
     return shapes
+
+
+def parse_grid(text: str) -> tuple[int, int, int]:
+    """`1,16,16` -> (temporal, height, width) in patches; errors name --vision-grid."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--vision-grid takes T,H,W (patches, positive integers), got {text!r}")
+    t, h, w = (int(p) for p in parts)
+    return t, h, w
 
 
 @dataclass(frozen=True)
@@ -67,4 +80,6 @@ class ExportOptions:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)

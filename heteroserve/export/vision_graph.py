@@ -14,15 +14,6 @@ from torch import nn
 from heteroserve.model.vision.encoder import VisionEncoder
 
 
-def parse_grid(text: str) -> tuple[int, int, int]:
-    """`1,16,16` -> (temporal, height, width) in patches; errors name --vision-grid."""
-    parts = text.split(",")
-    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"--vision-grid takes T,H,W (patches, positive integers), got {text!r}")
-    t, h, w = (int(p) for p in parts)
-    return t, h, w
-
-
 def check_grid(encoder: VisionEncoder, grid: tuple[int, int, int]) -> None:
     t, h, w = grid
     m = encoder.spec.merge_size

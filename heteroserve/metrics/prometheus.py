@@ -13,12 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from heteroserve.engine.llm_engine import LLMEngine
+from heteroserve.metrics import METRICS_PREFIXES, PREFIX, VLLM_PREFIX
 from heteroserve.outputs import RequestMetrics
 from heteroserve.platforms.operators import OPERATORS
 
-PREFIX = "heteroserve:"
-VLLM_PREFIX = "vllm:"
-METRICS_PREFIXES = {"both": (PREFIX, VLLM_PREFIX), "heteroserve": (PREFIX,), "vllm": (VLLM_PREFIX,)}
 # vLLM's older names for series we export, still read by its dashboards and routers: also exported under vllm:.
 VLLM_OLD_NAMES = {
     "kv_cache_usage_perc": "gpu_cache_usage_perc",

@@ -321,7 +321,7 @@ def test_serve_passes_every_engine_flag_to_the_server_it_starts():
     from heteroserve.bench.commands import add_bench_parser
     from heteroserve.bench.serve_command import server_flags
     from heteroserve.engine.engine_args import EngineArgs
-    from heteroserve.entrypoints.openai.api_server import make_parser
+    from heteroserve.entrypoints.openai.server_args import make_parser
 
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command"))

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from heteroserve.entrypoints.gateway.config import load_config
-from heteroserve.entrypoints.openai.api_server import make_parser
+from heteroserve.entrypoints.openai.server_args import make_parser
 
 ROOT = Path(__file__).parents[2]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())

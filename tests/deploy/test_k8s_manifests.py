@@ -15,7 +15,7 @@ import yaml
 
 from heteroserve.entrypoints.gateway import add_gateway_args
 from heteroserve.entrypoints.gateway.config import load_config
-from heteroserve.entrypoints.openai.api_server import make_parser
+from heteroserve.entrypoints.openai.server_args import make_parser
 from heteroserve.model.loader.source import DEFAULT_MODEL_NAME
 
 K8S = Path(__file__).parents[2] / "deploy" / "k8s"

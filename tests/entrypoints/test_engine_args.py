@@ -10,7 +10,7 @@ import pytest
 from heteroserve.config import SchedulerConfig
 from heteroserve.engine.engine_args import EngineArgs, cli_flag
 from heteroserve.entrypoints.llm import LLM
-from heteroserve.entrypoints.openai.api_server import SERVER_PREFILL_TOKENS_PER_STEP, make_parser
+from heteroserve.entrypoints.openai.server_args import SERVER_PREFILL_TOKENS_PER_STEP, make_parser
 from tests.pooling.tiny_pooling_models import build_bert_embedder
 
 SETTINGS = [f for f in dataclasses.fields(EngineArgs) if f.name != "model"]

@@ -1,16 +1,13 @@
 """`heteroserve gateway`: one OpenAI-compatible endpoint in front of several back ends (heteroserve or any
-OpenAI-compatible server), with routing, balancing, health checks and retries."""
+OpenAI-compatible server), with routing, balancing, health checks and retries.
+
+The package holds only the command's flags, so that building the `heteroserve` parser loads no web framework;
+app.py holds the app and `run_gateway`.
+"""
 
 from __future__ import annotations
 
 import argparse
-import logging
-
-import uvicorn
-
-from heteroserve.entrypoints.gateway.app import Gateway, build_app
-from heteroserve.entrypoints.gateway.config import ConfigError
-from heteroserve.entrypoints.openai.api_server import DrainingServer
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
@@ -21,17 +18,3 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
         "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM"
     )
     parser.add_argument("--uvicorn-log-level", default="info")
-
-
-def run_gateway(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check
-    try:
-        gateway = Gateway(args.config)
-    except ConfigError as exc:
-        raise SystemExit(f"invalid gateway config: {exc}") from None
-    app = build_app(gateway)
-    config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5
-    )
-    DrainingServer(config, app.state.server, args.drain_timeout).run()  # SIGTERM drains, as the server does

@@ -3,6 +3,7 @@ page, the config reload on SIGHUP, and the in-flight count the SIGTERM drain wai
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -24,6 +26,7 @@ from heteroserve.entrypoints.gateway.config import ConfigError, load_config
 from heteroserve.entrypoints.gateway.metrics import GatewayMetrics
 from heteroserve.entrypoints.gateway.proxy import Proxy
 from heteroserve.entrypoints.gateway.router import Router, Target
+from heteroserve.entrypoints.openai.draining_server import DrainingServer
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.gate import ServerState
 from heteroserve.entrypoints.openai.page_routes import add_chat_page_routes
@@ -215,3 +218,18 @@ async def _check_forever(gateway: Gateway, client: httpx.AsyncClient) -> None:
     while True:
         await asyncio.sleep(gateway.config.health.interval)
         await check_all(list(gateway.router.backends.values()), client)
+
+
+def run_gateway(args: argparse.Namespace) -> None:
+    """Serves the gateway of `args.config` until SIGTERM, which drains it as the server drains."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check
+    try:
+        gateway = Gateway(args.config)
+    except ConfigError as exc:
+        raise SystemExit(f"invalid gateway config: {exc}") from None
+    app = build_app(gateway)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5
+    )
+    DrainingServer(config, app.state.server, args.drain_timeout).run()

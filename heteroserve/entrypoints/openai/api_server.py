@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import socket
 import sys
 import uuid
@@ -22,10 +21,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import heteroserve
 from heteroserve.engine.async_engine import AsyncLLMEngine
 from heteroserve.engine.engine_args import EngineArgs
+from heteroserve.entrypoints.openai.draining_server import DrainingServer
 from heteroserve.entrypoints.openai.errors import APIError
 from heteroserve.entrypoints.openai.gate import Gate, ServerState, unless_disconnected
-from heteroserve.entrypoints.openai.listen_address import bind_listen_socket, is_loopback, page_url, port_number
-from heteroserve.entrypoints.openai.lora_modules import LoRAModules, parse_lora_module
+from heteroserve.entrypoints.openai.listen_address import bind_listen_socket, is_loopback, page_url
+from heteroserve.entrypoints.openai.lora_modules import LoRAModules
 from heteroserve.entrypoints.openai.lora_routes import add_lora_routes
 from heteroserve.entrypoints.openai.page_routes import add_chat_page_routes
 from heteroserve.entrypoints.openai.pooling_routes import add_pooling_routes
@@ -37,19 +37,18 @@ from heteroserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     now,
 )
+from heteroserve.entrypoints.openai.server_args import make_parser
 from heteroserve.entrypoints.openai.serving import Admission, ServerSettings, check_fields
 from heteroserve.entrypoints.openai.serving_chat import ServingChat
 from heteroserve.entrypoints.openai.serving_completion import ServingCompletion
 from heteroserve.entrypoints.openai.serving_pooling import require_task
-from heteroserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from heteroserve.lora.request import LoRARequest
-from heteroserve.metrics.prometheus import METRICS_PREFIXES, ServerMetrics
+from heteroserve.metrics.prometheus import ServerMetrics
 from heteroserve.multimodal.media import MediaPolicy
 from heteroserve.pooling_params import PoolingParams
 from heteroserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("heteroserve.server")
-SERVER_PREFILL_TOKENS_PER_STEP = 256
 _API_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503)}
 _PROBE_ERRORS = {503: {"model": ErrorResponse}}
 _GENERATION_RESPONSES = {
@@ -248,137 +247,6 @@ def _add_generation_routes(
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
         return {"prompt": await asyncio.to_thread(chats.tokenizer.decode, body.tokens)}
-
-
-class DrainingServer(uvicorn.Server):
-    """On SIGTERM/SIGINT: readiness turns 503 and new requests are refused, in-flight ones finish
-    (bounded by the drain timeout, when the state's at_drain_timeout callbacks run), then uvicorn shuts down and
-    the process exits 0."""
-
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
-        super().__init__(config)
-        self.state = state
-        self.drain_timeout = drain_timeout
-        self._drain_task: asyncio.Task | None = None
-
-    def handle_exit(self, sig: int, frame) -> None:
-        if self._drain_task is not None:  # a second signal: stop now
-            super().handle_exit(sig, frame)
-            return
-        logger.info("received %s: draining", signal.Signals(sig).name)
-        self.state.draining = True
-        self._drain_task = asyncio.get_event_loop().create_task(self._drain(sig, frame))
-
-    async def _drain(self, sig: int, frame) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.drain_timeout
-        while self.state.in_flight and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        if self.state.in_flight:
-            logger.warning("drain timeout: %d requests still in flight are cut off", self.state.in_flight)
-            for cut_off in self.state.at_drain_timeout:
-                cut_off()
-        self.should_exit = True  # not handle_exit: uvicorn would re-raise the signal and the exit code be -15
-
-
-def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="heteroserve serve",
-        description="OpenAI-compatible LLM server",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    add_server_args(parser)
-    return parser
-
-
-def add_server_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_tag", nargs="?", default=None, help="model (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--model", default=None, help="same as the positional MODEL")
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default="0.0.0.0")
-    group.add_argument("--port", type=port_number, default=8000, help="checked and bound before the model loads")
-    group.add_argument("--served-model-name", nargs="+", default=None, help="names clients use (default: the model)")
-    group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    group.add_argument("--chat-template", default=None, help="a Jinja chat template (file path or inline)")
-    group.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="accept chat_template in requests (templates are code the server runs; refused by default)",
-    )
-    group.add_argument(
-        "--chat-template-timeout", type=float, default=5.0, help="seconds one chat template rendering may take"
-    )
-    group.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='tool_choice "auto": the model decides, and --tool-call-parser finds its calls in the output',
-    )
-    group.add_argument(
-        "--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS), help="the model's tool-call format"
-    )
-    group.add_argument(
-        "--lora-modules",
-        nargs="+",
-        type=parse_lora_module,
-        default=None,
-        metavar="NAME=PATH",
-        help="LoRA adapters served by name (PEFT folders; needs --enable-lora); also vLLM's JSON form",
-    )
-    group.add_argument(
-        "--allow-runtime-lora-updating",
-        action="store_true",
-        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora and --api-key)",
-    )
-    group.add_argument("--allowed-origins", nargs="*", default=None, help="CORS origins, e.g. '*'")
-    group.add_argument("--max-waiting-requests", type=int, default=None, help="answer 429 beyond this many waiting")
-    group.add_argument(
-        "--request-timeout", type=float, default=None, help="seconds a request may take, streamed or not (408)"
-    )
-    group.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=32 * 1024**2,
-        help="larger request bodies answer 413 (the default fits one --max-image-bytes image in base64)",
-    )
-    group.add_argument(
-        "--max-prompts-per-request", type=int, default=256, help="prompts one completion request may hold"
-    )
-    group.add_argument(
-        "--metrics-prefix",
-        choices=sorted(METRICS_PREFIXES),
-        default="both",
-        help="/metrics names: heteroserve:* (our dashboard), vllm:* (vLLM's dashboards, routers, autoscalers) or both",
-    )
-    group.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
-    group.add_argument("--enable-log-requests", action="store_true", help="log request bodies (prompts included)")
-    group.add_argument("--uvicorn-log-level", default="info")
-    group.add_argument(
-        "--log-level",
-        choices=["debug", "info", "warning"],
-        default="info",
-        help="heteroserve's log level; debug also shows the traceback of a start-up configuration error",
-    )
-    media = parser.add_argument_group("images in chat requests")
-    media.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) image URLs (off: offline)")
-    media.add_argument("--allowed-local-media-path", default=None, help="serve file:// images only under this folder")
-    media.add_argument(
-        "--allowed-media-domains",
-        nargs="+",
-        default=None,
-        help="fetch remote images only from these hosts, on any address (private ones too); implies "
-        "--allow-remote-media, which alone reaches only hosts with public addresses",
-    )
-    media.add_argument(
-        "--media-fetch-timeout",
-        type=float,
-        default=10.0,
-        help="seconds for all of one remote image's fetch (resolution, redirects, body)",
-    )
-    media.add_argument("--max-image-bytes", type=int, default=20 * 1024**2, help="largest encoded image accepted")
-    EngineArgs.add_cli_args(parser)
-    # A server's clients wait for their first token: a burst is prefilled in steps of 256 prompt tokens, so the
-    # first clients start early (scenario C: TTFT p50 0.63x, same throughput; bench/results/burst_prefill/).
-    parser.set_defaults(max_prefill_tokens_per_step=SERVER_PREFILL_TOKENS_PER_STEP)
 
 
 def run_server(args: argparse.Namespace) -> None:

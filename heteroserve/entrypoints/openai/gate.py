@@ -11,14 +11,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from heteroserve.engine.async_engine import AsyncLLMEngine
 from heteroserve.entrypoints.openai.errors import APIError
+
+if TYPE_CHECKING:  # the gateway shares ServerState and runs no engine: it must not load torch
+    from heteroserve.engine.async_engine import AsyncLLMEngine
 
 KEYED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/rerank", "/score")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that hung up before the answer
