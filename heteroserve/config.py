@@ -237,6 +237,7 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port on one node, 29500 (torch's default) across nodes
+    enable_expert_parallel: bool = False  # MoE layers: whole experts per tensor-parallel rank
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):

@@ -26,6 +26,7 @@ class ParallelGroups:
     pp_size: int = 1
     tp_group: object = None  # torch ProcessGroup of this stage's tensor-parallel ranks
     control_group: object = None  # gloo group of all ranks for Python objects (steps, results)
+    expert_parallel: bool = False  # MoE layers: each tensor-parallel rank holds whole experts, not slices of all
 
     @property
     def rank(self) -> int:

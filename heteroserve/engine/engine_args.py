@@ -203,6 +203,12 @@ class EngineArgs:
     )
     tensor_parallel_size: int = _setting(1, "ranks that split each layer", aliases=("-tp",), group=PARALLEL_GROUP)
     pipeline_parallel_size: int = _setting(1, "ranks that split the layers", aliases=("-pp",), group=PARALLEL_GROUP)
+    enable_expert_parallel: bool = _setting(
+        False,
+        "mixture-of-experts layers: each tensor-parallel rank holds whole experts (an even share of them) instead of "
+        "a slice of every expert",
+        group=PARALLEL_GROUP,
+    )
     distributed_executor_backend: str | None = _setting(
         None,
         "mp: worker processes (default for more than one rank); ray: Ray actors (pip install heteroserve[ray])",
@@ -306,6 +312,7 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,
+                enable_expert_parallel=self.enable_expert_parallel,
                 distributed_executor_backend=self.distributed_executor_backend,
                 nnodes=self.nnodes,
                 node_rank=self.node_rank,

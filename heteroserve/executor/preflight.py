@@ -39,5 +39,5 @@ def check_model_split(config: EngineConfig) -> None:
             "architectures only (the vision tower and image inputs are not split or sent to workers)"
         )
     arch = ModelArch.from_hf_config(hf_config)
-    check_tensor_parallel(arch, parallel.tensor_parallel_size)
+    check_tensor_parallel(arch, parallel.tensor_parallel_size, parallel.enable_expert_parallel)
     layer_range(arch.num_layers, 0, parallel.pipeline_parallel_size)

@@ -52,6 +52,9 @@ class MoESpec:
     group_score: str = "top2_sum"  # a group's score: its two best experts' sum, or its best ("max", DeepSeek-V2)
     shared_intermediate_size: int = 0  # 0: no shared experts
     shared_gate: bool = False
+    # With expert parallelism, the experts [first, last) this rank holds whole (None: every expert, or a slice of
+    # each with tensor parallelism); the router still scores them all.
+    local_experts: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

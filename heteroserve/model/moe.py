@@ -62,8 +62,9 @@ class MoEBlock(nn.Module):
         self.correction_bias = (
             nn.Parameter(torch.empty(spec.num_experts), requires_grad=False) if spec.correction_bias else None
         )
-        self.experts_gate_up: list = [_weight(2 * inter, hidden_size) for _ in range(spec.num_experts)]
-        self.experts_down: list = [_weight(hidden_size, inter) for _ in range(spec.num_experts)]
+        self.first_expert, last = spec.local_experts or (0, spec.num_experts)
+        self.experts_gate_up: list = [_weight(2 * inter, hidden_size) for _ in range(self.first_expert, last)]
+        self.experts_down: list = [_weight(hidden_size, inter) for _ in range(self.first_expert, last)]
         shared = spec.shared_intermediate_size
         self.shared_gate_up = _weight(2 * shared, hidden_size) if shared else None
         self.shared_down = _weight(hidden_size, shared) if shared else None
@@ -90,16 +91,21 @@ class MoEBlock(nn.Module):
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens ascending in each
         counts = torch.bincount(flat, minlength=spec.num_experts).tolist()
         token_of = order // spec.top_k
+        first, last = self.first_expert, self.first_expert + len(self.experts_down)
+        begin, end = sum(counts[:first]), sum(counts[:last])  # this rank's experts' share of the pairs
+        token_of, order = token_of[begin:end], order[begin:end]
         rows = h[token_of]
         outputs, start = [], 0
-        for expert, count in enumerate(counts):
+        for local, count in enumerate(counts[first:last]):
             if count:
                 part = rows[start : start + count]
-                outputs.append(self._mlp(part, self.experts_gate_up[expert], self.experts_down[expert]))
+                outputs.append(self._mlp(part, self.experts_gate_up[local], self.experts_down[local]))
                 start += count
-        weighted = torch.cat(outputs).float() * weights.flatten()[order, None]
-        # index_add_ adds a token's rows in their order here: its experts by ascending index, whatever the batch.
-        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device).index_add_(0, token_of, weighted)
+        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+        if outputs:
+            weighted = torch.cat(outputs).float() * weights.flatten()[order, None]
+            # index_add_ adds a token's rows in their order here: its experts by ascending index, whatever the batch.
+            out.index_add_(0, token_of, weighted)
         if self.shared_gate_up is not None:
             shared = self._mlp(h, self.shared_gate_up, self.shared_down).float()
             if self.shared_gate is not None:

@@ -24,6 +24,7 @@ from heteroserve.model.arch import ModelArch
 from heteroserve.quantization.weight import ShardableWeight
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
 _SPLIT_MODULES = (
     "q_proj",
     "k_proj",
@@ -59,7 +60,7 @@ class ModelShard:
     @classmethod
     def of(cls, arch: ModelArch, groups: ParallelGroups) -> ModelShard:
         tp, r = groups.tp_size, groups.tp_rank
-        check_tensor_parallel(arch, tp)
+        check_tensor_parallel(arch, tp, groups.expert_parallel)
         first, last = layer_range(arch.num_layers, groups.pp_rank, groups.pp_size)
         vocab_start, vocab_end = vocab_range(arch.vocab_size, r, tp)
         if arch.num_kv_heads >= tp:  # whole KV groups: a KV head and the query heads that read it
@@ -77,13 +78,14 @@ class ModelShard:
         layers = arch.layers[first:last]
         if moe_specs:
             moe = moe_specs.pop()
-            expert_range = _even_split(moe.intermediate_size, r, tp)
             shared_range = _even_split(moe.shared_intermediate_size, r, tp)
-            local_moe = dataclasses.replace(
-                moe,
-                intermediate_size=expert_range[1] - expert_range[0],
-                shared_intermediate_size=shared_range[1] - shared_range[0],
-            )
+            if groups.expert_parallel:  # whole experts [first, last) on this rank
+                expert_range = (0, moe.intermediate_size)
+                local = {"local_experts": _even_split(moe.num_experts, r, tp)}
+            else:
+                expert_range = _even_split(moe.intermediate_size, r, tp)
+                local = {"intermediate_size": expert_range[1] - expert_range[0]}
+            local_moe = dataclasses.replace(moe, shared_intermediate_size=shared_range[1] - shared_range[0], **local)
             layers = tuple(dataclasses.replace(x, moe=local_moe) if x.moe else x for x in layers)
         local = dataclasses.replace(
             arch,
@@ -106,8 +108,17 @@ class ModelShard:
                 yield name, self._slice(name, tensor)
                 continue
             index = int(match.group(1)) - self.layer_start
-            if 0 <= index < self.arch.num_layers:
+            if 0 <= index < self.arch.num_layers and self._holds(index, match.group(2)):
                 yield f"model.layers.{index}.{match.group(2)}", self._slice(match.group(2), tensor)
+
+    def _holds(self, layer: int, name: str) -> bool:
+        """Whether this rank keeps a layer tensor: with expert parallelism, only its own experts'."""
+        expert = _EXPERT.match(name)
+        moe = self.arch.layers[layer].moe
+        if expert is None or moe is None or moe.local_experts is None:
+            return True
+        first, last = moe.local_experts
+        return first <= int(expert.group(1)) < last
 
     def split_of(self, module: str, mlp_kind: str = "dense") -> tuple[str, int, int] | None:
         """How this rank splits a projection or table (its name's last part, e.g. q_proj): ("rows" | "columns",
@@ -145,9 +156,15 @@ class ModelShard:
         return tensor  # norms, q/k norms: replicated
 
 
-def check_tensor_parallel(arch: ModelArch, tp: int) -> None:
+def check_tensor_parallel(arch: ModelArch, tp: int, expert_parallel: bool = False) -> None:
     """A clear error when the model's heads cannot be split over `tp` ranks: up to one rank per KV head, whole
-    KV groups per rank; beyond that, the query heads must divide evenly and each rank's fall in one KV group."""
+    KV groups per rank; beyond that, the query heads must divide evenly and each rank's fall in one KV group.
+    Expert parallelism needs a model with experts, and at least one expert a rank."""
+    moe = next((layer.moe for layer in arch.layers if layer.moe is not None), None)
+    if expert_parallel and moe is None:
+        raise ValueError(f"--enable-expert-parallel: {arch.model_type} has no mixture-of-experts layers")
+    if expert_parallel and moe.num_experts < tp:
+        raise ValueError(f"--enable-expert-parallel: {moe.num_experts} experts cannot give each of {tp} ranks one")
     if tp > 1 and any(layer.qk_norm == "projection" for layer in arch.layers):
         raise ValueError(
             f"{arch.model_type} normalises q and k over all heads at once, which tensor parallelism would split; "

@@ -6,6 +6,7 @@ Every executor (in-process, worker processes, Ray actors) drives the same `Worke
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,7 @@ class Worker:
                 master_addr,
                 master_port,
             )
+            self.groups = dataclasses.replace(self.groups, expert_parallel=parallel.enable_expert_parallel)
         sharded = self.groups if parallel.world_size > 1 else None
         loaded = load_model(config.model, self.platform, config.device.kernels, sharded)
         self.platform.assign_threads(loaded.dtype, config.device.kernels)

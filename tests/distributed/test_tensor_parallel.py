@@ -82,6 +82,18 @@ def test_families_with_biases_soft_capping_and_windows_over_two_ranks(family, pa
     _check_against_transformers(tiny, greedy_comparison, f"{family} {parallel}=2", **{parallel: 2})
 
 
+def test_expert_parallel_holds_whole_experts_per_rank(tmp_path, greedy_comparison):
+    """--enable-expert-parallel: each of 2 ranks holds 4 of Qwen2-MoE's 8 experts whole (and half of the gated
+    shared expert and of the attention heads); a dense model refuses the flag."""
+    tiny = save_tiny("qwen2_moe", tmp_path)
+    _check_against_transformers(
+        tiny, greedy_comparison, "qwen2_moe ep=2", tensor_parallel_size=2, enable_expert_parallel=True
+    )
+    dense = save_tiny("qwen2", tmp_path / "dense")
+    with pytest.raises(ValueError, match="--enable-expert-parallel: qwen2 has no mixture-of-experts layers"):
+        dense.llm(tensor_parallel_size=2, enable_expert_parallel=True)
+
+
 def test_norm_over_all_heads_refuses_tensor_parallelism(tmp_path):
     tiny = save_tiny("olmo2", tmp_path)
     with pytest.raises(ValueError, match="normalises q and k over all heads"):

@@ -180,11 +180,11 @@ def _load_experts(moe: MoEBlock, prefix: str, take, found: dict, dtype: torch.dt
         shape = (spec.num_experts,) if bias is None or bias.ndim == 1 else (1, spec.num_experts)  # ERNIE: [1, E]
         moe.correction_bias.data = take(name, shape).float().reshape(-1)
     inter = spec.intermediate_size
-    for e in range(spec.num_experts):
-        q = f"{prefix}experts.{e}."
+    for local in range(len(moe.experts_down)):
+        q = f"{prefix}experts.{moe.first_expert + local}."
         gate_up = [take(q + "gate_proj.weight", (inter, h)), take(q + "up_proj.weight", (inter, h))]
-        moe.experts_gate_up[e] = _cat(gate_up, dtype)
-        moe.experts_down[e] = take(q + "down_proj.weight", (h, inter))
+        moe.experts_gate_up[local] = _cat(gate_up, dtype)
+        moe.experts_down[local] = take(q + "down_proj.weight", (h, inter))
     shared = spec.shared_intermediate_size
     if shared:
         q = prefix + "shared_experts."
