@@ -32,6 +32,7 @@ from heteroserve.model.loader.pooling_checkpoint import (
     read_sentence_transformers,
 )
 from heteroserve.model.loader.remote_code_layouts import remote_code_layout
+from heteroserve.model.loader.remote_code_tokenizers import chat_stop_token_ids, remote_code_tokenizer
 from heteroserve.model.loader.safetensors_loader import iterate_safetensors
 from heteroserve.model.loader.source import ModelSource, resolve_model
 from heteroserve.model.loader.weights import load_weights, quantize_projections
@@ -167,6 +168,8 @@ def load_model(
         eos = _first(getattr(hf_config.get_text_config(), "eos_token_id", None))
     generation = _generation_config(source.folder) if config.generation_config == "auto" else {}
     extra_eos = [t for t in _as_list(generation.get("eos_token_id")) if t != eos]
+    if tokenizer is not None and source.gguf_file is None:  # the repositories' chat functions stop there too
+        extra_eos += [t for t in chat_stop_token_ids(tokenizer, source.folder) if t != eos and t not in extra_eos]
     defaults = {ours: generation[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if theirs in generation}
     if task != "generate":
         defaults = {}
@@ -253,8 +256,12 @@ def _generation_config(folder: Path) -> dict:
 
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase | None:
-    """The folder's tokenizer, or one built from GGUF metadata (cached, since building takes seconds)."""
+    """The folder's tokenizer, one rebuilt for a tokenizer that is repository code (remote_code_tokenizers.py), or
+    one built from GGUF metadata (both cached, since building takes seconds)."""
     if source.gguf_file is None:
+        remote = remote_code_tokenizer(source.folder)
+        if remote is not None:
+            return remote
         if not any(
             (source.folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
         ):
