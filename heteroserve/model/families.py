@@ -395,6 +395,12 @@ def arch_of(config) -> ModelArch:
     layers = tuple(family.layer(i) for i in range(config.num_hidden_layers))
     positions, context_limit = config.max_position_embeddings, None
     params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type") == "dynamic":  # InternLM2, some Llama fine-tunes
+        positions = params.get("original_max_position_embeddings") or positions
+        context_limit = (
+            "dynamic NTK rope scaling, which transformers applies past the original context by rescaling every "
+            "position of the sequence as it grows, is not implemented (within it the frequencies are the default)"
+        )
     if params.get("rope_type") == "longrope":  # Phi-3.5, Phi-4-mini
         positions = params["original_max_position_embeddings"]
         context_limit = (

@@ -299,3 +299,22 @@ def test_latent_attention_caches_one_latent_a_token(tmp_path, greedy_comparison)
         staged.shutdown()
     with pytest.raises(ValueError, match="tensor parallelism over latent attention"):
         tiny.llm(tensor_parallel_size=2)
+
+
+def test_dynamic_ntk_runs_within_its_original_context(tmp_path, greedy_comparison):
+    """Dynamic NTK scaling (InternLM2, Llama fine-tunes) leaves the default frequencies up to the original context,
+    where transformers' outputs are matched; a longer context is refused, naming why."""
+    rope = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    model = build_hf_model("llama", {"tie_word_embeddings": False, "rope_parameters": rope}, seed=9)
+    model.save_pretrained(tmp_path / "dynamic")
+    tiny = TinyModel("llama-dynamic", tmp_path / "dynamic", as_reference(model))
+    token_prompts = prompts(9, [40, 11], tiny.vocab_size)
+    _check_all(
+        tiny,
+        "dynamic",
+        run(tiny.llm(), token_prompts, greedy_params(tiny.vocab_size)),
+        token_prompts,
+        greedy_comparison,
+    )
+    with pytest.raises(ValueError, match="exceeds the model's 256 positions: dynamic NTK rope scaling"):
+        tiny.llm(max_model_len=512)

@@ -28,11 +28,12 @@ def inverse_frequencies(config: PretrainedConfig, spec: RotarySpec) -> tuple[tor
         return torch.zeros(0), 1.0
     params = rope_parameters(config, spec)
     rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
+    # Dynamic NTK keeps the default frequencies within the original context (families.py holds the context to
+    # it): past it, it would rescale every position of a sequence as the sequence grows, which no table can.
+    if rope_type in ("default", "dynamic"):
         base, dim = params["rope_theta"], spec.rotary_dim
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-    # Dynamic NTK rescales every position whenever the sequence grows past the original context: no fixed table.
-    if rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
+    if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope type {rope_type!r} is not supported")
     kwargs = {} if spec.layer_type is None else {"layer_type": spec.layer_type}
     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
