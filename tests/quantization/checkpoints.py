@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from tests.model.tiny_models import build_hf_model
+from tests.model.tiny_models import build_hf_model, load_reference
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Wide enough that group sizes 32, 64 and 128 all divide every projection's input.
@@ -110,40 +110,53 @@ def awq_quantize(w: torch.Tensor, group_size: int):
     return parts, dequantised
 
 
-def write_quantized(model_type: str, folder: Path, method: str, settings: dict, config_file: str = "config.json"):
-    """A tiny random model with every projection quantised and packed; returns the transformers model with the
-    decoded weights (the reference). `config_file` "quantize_config.json" writes AutoGPTQ's separate file."""
-    model = build_hf_model(model_type, QUANT_TINY, seed=5)
+def write_quantized(
+    model_type: str,
+    folder: Path,
+    method: str,
+    settings: dict,
+    config_file: str = "config.json",
+    overrides: dict | None = None,
+):
+    """A tiny random model with every projection quantised and packed (a mixture of experts' per-expert ones too,
+    under the names its checkpoints use); returns the transformers model with the decoded weights (the
+    reference), read back from a float copy of them beside it (FOLDER-decoded)."""
+    model = build_hf_model(model_type, {**QUANT_TINY, **(overrides or {})}, seed=5)
     model.save_pretrained(folder, safe_serialization=True)
-    tensors = {}
-    with torch.no_grad():
-        for name, param in model.state_dict().items():
-            prefix = name.removesuffix(".weight")
-            if not prefix.endswith(PROJECTIONS):
-                tensors[name] = param.clone()
-                continue
-            if method == "gptq":
-                seed = 0 if prefix.endswith(("q_proj", "k_proj", "v_proj")) else 1  # shared input, shared order
-                parts, decoded = gptq_quantize(
-                    param,
-                    settings["bits"],
-                    settings["group_size"],
-                    settings["desc_act"],
-                    settings["sym"],
-                    settings.get("checkpoint_format") == "gptq_v2",
-                    seed,
-                )
-            else:
-                parts, decoded = awq_quantize(param, settings["group_size"])
-            tensors.update({f"{prefix}.{suffix}": t for suffix, t in parts.items()})
-            param.copy_(decoded)
-    for file in folder.glob("*.safetensors"):
+    saved = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        saved.update(load_file(str(file)))
         file.unlink()
+    tensors, decoded_tensors = {}, {}
+    for name, param in saved.items():
+        prefix = name.removesuffix(".weight")
+        if not prefix.endswith(PROJECTIONS):
+            tensors[name] = decoded_tensors[name] = param.clone()
+            continue
+        if method == "gptq":
+            seed = 0 if prefix.endswith(("q_proj", "k_proj", "v_proj")) else 1  # shared input, shared order
+            parts, decoded = gptq_quantize(
+                param,
+                settings["bits"],
+                settings["group_size"],
+                settings["desc_act"],
+                settings["sym"],
+                settings.get("checkpoint_format") == "gptq_v2",
+                seed,
+            )
+        else:
+            parts, decoded = awq_quantize(param, settings["group_size"])
+        tensors.update({f"{prefix}.{suffix}": t for suffix, t in parts.items()})
+        decoded_tensors[name] = decoded.to(param.dtype)
     save_file(tensors, str(folder / "model.safetensors"))
+    reference = folder.with_name(folder.name + "-decoded")
+    reference.mkdir()
+    save_file(decoded_tensors, str(reference / "model.safetensors"))
+    (reference / "config.json").write_bytes((folder / "config.json").read_bytes())
     if config_file == "config.json":
         config = json.loads((folder / "config.json").read_text())
         config["quantization_config"] = {"quant_method": method, **settings}
         (folder / "config.json").write_text(json.dumps(config))
     else:
         (folder / config_file).write_text(json.dumps(settings))
-    return model
+    return load_reference(reference).model

@@ -59,6 +59,8 @@ def test_gptq_v2_zeros_are_stored_as_is():
     assert not torch.allclose(as_v1.dequantize(), decoded, atol=1e-3)  # the format setting matters
 
 
+# Qwen3-MoE as Qwen3-30B-A3B-GPTQ-Int4 ships it: every expert's projections packed under their own names.
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "norm_topk_prob": True}
 MODEL_CASES = [  # (model type, settings, config file)
     ("llama", {"bits": 4, "group_size": 128, "desc_act": False, "sym": True}, "config.json"),
     ("qwen2", {"bits": 4, "group_size": 32, "desc_act": True, "sym": False}, "quantize_config.json"),
@@ -68,12 +70,14 @@ MODEL_CASES = [  # (model type, settings, config file)
         {"bits": 8, "group_size": 64, "desc_act": True, "sym": False, "checkpoint_format": "gptq_v2"},
         "config.json",
     ),
+    ("qwen3_moe", {"bits": 4, "group_size": 64, "desc_act": False, "sym": True}, "config.json"),
 ]
 
 
 @pytest.mark.parametrize("model_type, settings, config_file", MODEL_CASES, ids=lambda v: str(v))
 def test_gptq_model_matches_transformers_on_decoded_weights(tmp_path, model_type, settings, config_file):
-    reference = as_reference(write_quantized(model_type, tmp_path / "m", "gptq", settings, config_file))
+    overrides = MOE if model_type == "qwen3_moe" else None
+    reference = as_reference(write_quantized(model_type, tmp_path / "m", "gptq", settings, config_file, overrides))
     tiny = TinyModel("gptq", tmp_path / "m", reference)
     ids = prompts(3, [40], tiny.vocab_size)[0]
     expected = torch.log_softmax(reference.logits(ids), dim=-1)
@@ -81,7 +85,8 @@ def test_gptq_model_matches_transformers_on_decoded_weights(tmp_path, model_type
         llm = tiny.llm(kernels=kernels)
         model = llm.engine.runner.model
         # Kept compressed on every path (grouped 8-bit on the CPU platform: CpuGroupedInt8Weight).
-        assert not isinstance(model.layers[0].down_proj, torch.Tensor)
+        layer = model.layers[0]
+        assert not isinstance(layer.down_proj if layer.moe is None else layer.moe.experts_down[0], torch.Tensor)
         out = llm.generate({"prompt_token_ids": ids}, _prompt_logprobs(tiny.vocab_size), use_tqdm=False)[0]
         for i in range(1, len(ids)):
             ours = torch.tensor([out.prompt_logprobs[i][t].logprob for t in range(tiny.vocab_size)])
