@@ -52,6 +52,11 @@ class MoESpec:
     group_score: str = "top2_sum"  # a group's score: its two best experts' sum, or its best ("max", DeepSeek-V2)
     shared_intermediate_size: int = 0  # 0: no shared experts
     shared_gate: bool = False
+    router_bias: bool = False  # the router's logits have a bias (gpt-oss)
+    expert_bias: bool = False  # the experts' projections have biases (gpt-oss)
+    # gpt-oss's clamped SwiGLU: gate <= limit, |up| <= limit, out = (up + 1) * gate * sigmoid(alpha * gate)
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
     # With expert parallelism, the experts [first, last) this rank holds whole (None: every expert, or a slice of
     # each with tensor parallelism); the router still scores them all.
     local_experts: tuple[int, int] | None = None
@@ -80,6 +85,7 @@ class LayerSpec:
     o_bias: bool = False
     qk_norm: str | None = None  # "head": RMSNorm per head (Qwen3, Gemma 3); "projection": over all heads (OLMo 2)
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax (Gemma 2)
+    attn_sinks: bool = False  # a learned logit per head joins each softmax and attends to nothing (gpt-oss)
     pre_norms: bool = True  # RMSNorm before attention and before the MLP (OLMo 2 has none)
     output_norms: bool = False  # RMSNorm on attention's and the MLP's outputs (Gemma 2/3's sandwich, GLM-4, OLMo 2)
     activation: str = "silu"  # of the gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
@@ -128,6 +134,9 @@ class CheckpointLayout:
     # An expert's gate, up and down projections under the checkpoint's names (Mixtral: w1, w3, w2)
     expert_projections: tuple[str, str, str] | None = None
     extra_layers: int = 0  # multi-token-prediction layers stored after the model's own (GLM-4.5): skipped
+    # Experts stored as one stack a layer, input-major with gate and up columns interleaved (gpt-oss:
+    # mlp.experts.gate_up_proj [E, hidden, 2I], down_proj [E, I, hidden] and their biases): split per expert
+    stacked_experts: bool = False
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from heteroserve.model.layers.rotary import MRotaryEmbedding, RotaryEmbedding, r
 from heteroserve.model.mla import LatentAttention
 from heteroserve.model.moe import MoEBlock
 from heteroserve.model.sharding import ModelShard
-from heteroserve.platforms.attention import AttentionBackend
+from heteroserve.platforms.attention import AttentionBackend, ScoreModifiers
 from heteroserve.platforms.operators import DecodeLayerWeights, FusedDecodeLayer, OperatorTable
 from heteroserve.platforms.paged_attention import PagedAttentionBackend
 
@@ -104,12 +104,19 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_norm_size, arch.rms_norm_eps, ops) if spec.qk_norm else None
         self.k_norm = RMSNorm(k_norm_size, arch.rms_norm_eps, ops) if spec.qk_norm else None
         self.scale = arch.attn_scale
-        if spec.attn_softcap is not None and not backend.implements_softcap:
+        self.sinks = _vector(self.num_heads) if spec.attn_sinks else None
+        modified = [name for name, on in (("logit soft-capping", spec.attn_softcap), ("sinks", spec.attn_sinks)) if on]
+        if modified and not backend.implements_score_modifiers:
             raise ValueError(
-                f"the {backend.name} attention backend does not implement logit soft-capping, which this model's "
-                f"layer {index} uses (attn_logit_softcapping={spec.attn_softcap})"
+                f"the {backend.name} attention backend does not implement {' and '.join(modified)}, which this "
+                f"model's layer {index} uses"
             )
-        self.softcap_argument = {} if spec.attn_softcap is None else {"softcap": spec.attn_softcap}
+
+    def score_modifiers(self) -> ScoreModifiers | None:
+        """What the layer does to its scores besides scale and mask (read per call: the sinks are loaded later)."""
+        if self.spec.attn_softcap is None and self.sinks is None:
+            return None
+        return ScoreModifiers(self.spec.attn_softcap, None if self.sinks is None else self.sinks.data)
 
     def projections(self) -> list[str]:
         """The names of this block's weights that go through the platform's linear op."""
@@ -128,7 +135,7 @@ class Attention(nn.Module):
         if self.spec.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **self.softcap_argument)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.score_modifiers())
         out = out.flatten(1)
         y = self.linear(out, self.o_proj)
         if lora is not None:

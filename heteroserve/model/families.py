@@ -331,6 +331,27 @@ def _deepseek(config) -> Family:
     )
 
 
+def _gpt_oss(config) -> Family:
+    """gpt-oss: alternating 128-token windows, attention sinks, biases on every projection, experts with biases
+    and a clamped SwiGLU, chosen by the top-k of the router's logits (softmax over those k: the same weights as
+    renormalising the softmax over all experts)."""
+    window = _windows(config)
+    moe = MoESpec(
+        config.num_local_experts,
+        config.num_experts_per_tok,
+        config.intermediate_size,
+        router_bias=True,
+        expert_bias=True,
+        swiglu_limit=float(config.swiglu_limit),
+        swiglu_alpha=float(config.swiglu_alpha),
+    )
+    bias = bool(config.attention_bias)
+    return Family(
+        layer=lambda i: LayerSpec(sliding_window=window(i), qkv_bias=bias, o_bias=bias, attn_sinks=True, moe=moe),
+        checkpoint=CheckpointLayout(renames=(("mlp.router", "mlp.gate"),), stacked_experts=True),
+    )
+
+
 def _gelu_tanh(config, key: str) -> str:
     act = getattr(config, key, None) or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
@@ -360,6 +381,7 @@ FAMILIES: dict[str, Callable[..., Family]] = {
     "glm4_moe": _glm4_moe,
     "deepseek_v2": _deepseek,
     "deepseek_v3": _deepseek,
+    "gpt_oss": _gpt_oss,
 }
 
 

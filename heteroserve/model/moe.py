@@ -12,6 +12,8 @@ the block returns the rank's partial sum, which the layer all-reduces with the r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,12 +61,20 @@ class MoEBlock(nn.Module):
         self.activation = activation
         inter = spec.intermediate_size
         self.router = _weight(spec.num_experts, hidden_size)  # float32: routing is computed in float32
+        self.router_bias = (
+            nn.Parameter(torch.empty(spec.num_experts), requires_grad=False) if spec.router_bias else None
+        )
         self.correction_bias = (
             nn.Parameter(torch.empty(spec.num_experts), requires_grad=False) if spec.correction_bias else None
         )
         self.first_expert, last = spec.local_experts or (0, spec.num_experts)
         self.experts_gate_up: list = [_weight(2 * inter, hidden_size) for _ in range(self.first_expert, last)]
         self.experts_down: list = [_weight(hidden_size, inter) for _ in range(self.first_expert, last)]
+        biased = range(self.first_expert, last) if spec.expert_bias else range(0)
+        self.experts_gate_up_bias: list = [torch.empty(2 * inter) for _ in biased]
+        self.experts_down_bias: list = [torch.empty(hidden_size) for _ in biased]
+        if spec.swiglu_limit is not None:
+            self.activation = functools.partial(clamped_swiglu, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
         shared = spec.shared_intermediate_size
         self.shared_gate_up = _weight(2 * shared, hidden_size) if shared else None
         self.shared_down = _weight(hidden_size, shared) if shared else None
@@ -85,7 +95,7 @@ class MoEBlock(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         spec = self.spec
-        logits = F.linear(h.float(), self.router)
+        logits = F.linear(h.float(), self.router, self.router_bias)
         weights, ids = route(logits, spec, self.correction_bias)
         flat = ids.flatten()
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens ascending in each
@@ -99,7 +109,8 @@ class MoEBlock(nn.Module):
         for local, count in enumerate(counts[first:last]):
             if count:
                 part = rows[start : start + count]
-                outputs.append(self._mlp(part, self.experts_gate_up[local], self.experts_down[local]))
+                biases = (self.experts_gate_up_bias[local], self.experts_down_bias[local]) if spec.expert_bias else ()
+                outputs.append(self._mlp(part, self.experts_gate_up[local], self.experts_down[local], *biases))
                 start += count
         out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         if outputs:
@@ -113,8 +124,16 @@ class MoEBlock(nn.Module):
             out += shared
         return out.to(h.dtype)
 
-    def _mlp(self, x: torch.Tensor, gate_up, down) -> torch.Tensor:
-        return self.linear(self.activation(self.linear(x, gate_up)), down)
+    def _mlp(self, x: torch.Tensor, gate_up, down, gate_up_bias=None, down_bias=None) -> torch.Tensor:
+        return self.linear(self.activation(self.linear(x, gate_up, gate_up_bias)), down, down_bias)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's activation of a fused [gate | up] row: (up + 1) * gate * sigmoid(alpha * gate) with the gate capped
+    at `limit` and up clamped to [-limit, limit]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
 
 
 def _data(weight):

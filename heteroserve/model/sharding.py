@@ -25,6 +25,7 @@ from heteroserve.quantization.weight import ShardableWeight
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
+_EXPERT_DOWN_BIAS = re.compile(r"^mlp\.experts\.\d+\.down_proj\.bias$")
 _SPLIT_MODULES = (
     "q_proj",
     "k_proj",
@@ -145,6 +146,11 @@ class ModelShard:
         return None
 
     def _slice(self, name: str, tensor):
+        if name == "self_attn.sinks" and self.groups.tp_size > 1:  # one per query head
+            return tensor[self.head_start : self.head_start + self.arch.num_heads].clone()
+        if _EXPERT_DOWN_BIAS.match(name) and self.groups.tp_rank > 0 and not self.groups.expert_parallel:
+            # each rank's partial sum of a sliced expert would add the bias again before the all-reduce
+            return torch.zeros_like(tensor)
         mlp_kind = "expert" if "mlp.experts." in name else "shared" if "mlp.shared_experts." in name else "dense"
         for module in _SPLIT_MODULES:
             if f"{module}." in name:

@@ -66,13 +66,22 @@ class AttentionStep:
         return self.seq_lens[i] - self.query_len(i)
 
 
+@dataclass(frozen=True)
+class ScoreModifiers:
+    """What a layer does to its attention scores besides the scale and the mask (None: nothing)."""
+
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2)
+    sinks: torch.Tensor | None = None  # [Hq] a logit per query head that joins the softmax and attends to nothing
+    # (gpt-oss's attention sinks: the probabilities of the real keys sum to less than 1)
+
+
 class AttentionBackend(ABC):
     """A platform's attention: metadata built once per step, then one call per layer that stores the step's keys
     and values in the cache and attends. Subclasses must match the reference numerics (paged_attention.py with
     the reference operators)."""
 
     name: str
-    implements_softcap: bool = False  # whether forward takes `softcap` (Gemma 2's capped scores)
+    implements_score_modifiers: bool = False  # whether forward takes `modifiers` (ScoreModifiers)
 
     @abstractmethod
     def build_metadata(self, step: AttentionStep) -> Any:
@@ -88,11 +97,11 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         metadata: Any,
         scale: float,
-        softcap: float | None = None,
+        modifiers: ScoreModifiers | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] in the step's row order. Writes k, v at their slots (rounded to the
-        cache's dtype) and returns the attention output [T, Hq, D]. softcap: scores become
-        softcap * tanh(scores / softcap) before the softmax; only given to a backend that `implements_softcap`."""
+        cache's dtype) and returns the attention output [T, Hq, D]. modifiers: what the layer does to the scores
+        besides scale and mask; only given to a backend that `implements_score_modifiers`."""
 
     def is_decode_only(self, metadata: Any) -> bool:
         """Whether the step holds decode rows only and its metadata is what the platform's fused decode layer

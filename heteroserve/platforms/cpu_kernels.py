@@ -65,14 +65,20 @@ STALE_LOCK_SECONDS = 600  # a full build takes ~10-90 s on 2 cores
 _loaded_build: str | None = None  # set by load_library
 
 
+def _named(modifiers) -> str:
+    """The score modifiers a layer asked for, by name (attention.ScoreModifiers)."""
+    names = {"softcap": "logit soft-capping", "sinks": "attention sinks"}
+    return ", ".join(names[n] for n in names if getattr(modifiers, n) is not None)
+
+
 class PagedDecodeAttention:
     """reference_ops.decode_attention's signature and numerics (float32 accumulation), without the gather."""
 
     kernel_name = "cpp paged decode attention"
 
-    def __call__(self, q, k_cache, v_cache, block_tables, mask, scale: float, softcap: float | None = None):
-        if softcap is not None:
-            raise NotImplementedError("logit soft-capping is not implemented in this kernel")
+    def __call__(self, q, k_cache, v_cache, block_tables, mask, scale: float, modifiers=None):
+        if modifiers is not None:
+            raise NotImplementedError(f"score modifiers ({_named(modifiers)}) are not implemented in this kernel")
         return torch.ops.heteroserve.paged_decode_attention(q, k_cache, v_cache, block_tables, mask, scale)
 
 
@@ -81,9 +87,9 @@ class PrefillAttention:
 
     kernel_name = "cpp prefill attention (GEMM tile)"
 
-    def __call__(self, q, keys, values, mask, scale: float, softcap: float | None = None) -> torch.Tensor:
-        if softcap is not None:
-            raise NotImplementedError("logit soft-capping is not implemented in this kernel")
+    def __call__(self, q, keys, values, mask, scale: float, modifiers=None) -> torch.Tensor:
+        if modifiers is not None:
+            raise NotImplementedError(f"score modifiers ({_named(modifiers)}) are not implemented in this kernel")
         if not torch.ops.heteroserve.prefill_attention_supports(q.shape[-1]):
             return reference_ops.prefill_attention(q, keys, values, mask, scale)
         return torch.ops.heteroserve.prefill_attention(q, keys, values, mask, scale)

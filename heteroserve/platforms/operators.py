@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from heteroserve.platforms import reference_ops
+from heteroserve.platforms.attention import ScoreModifiers
 from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.int4 import Int4Weight
 from heteroserve.quantization.int8 import Int8Weight
@@ -239,10 +240,10 @@ class OperatorTable:
         values: torch.Tensor,
         mask: torch.Tensor | None,
         scale: float,
-        softcap: float | None = None,
+        modifiers: ScoreModifiers | None = None,
     ) -> torch.Tensor:
-        """softcap: passed to the kernel, as a last argument, only where the layer caps its scores (Gemma 2)."""
-        return self.call("prefill_attention", q, keys, values, mask, scale, *_softcap_argument(softcap))
+        """modifiers: passed to the kernel, as a last argument, only where the layer modifies its scores."""
+        return self.call("prefill_attention", q, keys, values, mask, scale, *_modifiers_argument(modifiers))
 
     def bidirectional_attention(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
@@ -257,11 +258,11 @@ class OperatorTable:
         block_tables: torch.Tensor,
         mask: torch.Tensor,
         scale: float,
-        softcap: float | None = None,
+        modifiers: ScoreModifiers | None = None,
     ) -> torch.Tensor:
-        """softcap: as in prefill_attention."""
+        """modifiers: as in prefill_attention."""
         return self.call(
-            "decode_attention", q, k_cache, v_cache, block_tables, mask, scale, *_softcap_argument(softcap)
+            "decode_attention", q, k_cache, v_cache, block_tables, mask, scale, *_modifiers_argument(modifiers)
         )
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -309,11 +310,12 @@ class OperatorTable:
         return names
 
 
-def _softcap_argument(softcap: float | None) -> tuple[float, ...]:
-    """The attention kernels' contract: `softcap` comes as a last argument only for the layers that cap their scores,
-    so a kernel without it serves every other layer; one that takes it and does not implement it raises
-    NotImplementedError, and the reference runs instead (logged and counted as a fallback)."""
-    return () if softcap is None else (softcap,)
+def _modifiers_argument(modifiers: ScoreModifiers | None) -> tuple[ScoreModifiers, ...]:
+    """The attention kernels' contract: score modifiers (soft-capping, sinks) come as a last argument only for the
+    layers that have them, so a kernel without them serves every other layer; one that takes the argument and does
+    not implement what it holds raises NotImplementedError, and the reference runs instead (logged and counted as
+    a fallback)."""
+    return () if modifiers is None else (modifiers,)
 
 
 def _to_device(result, device: torch.device):

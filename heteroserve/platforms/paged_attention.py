@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from heteroserve.platforms.attention import AttentionBackend, AttentionStep
+from heteroserve.platforms.attention import AttentionBackend, AttentionStep, ScoreModifiers
 from heteroserve.platforms.operators import OperatorTable
 
 
@@ -50,7 +50,7 @@ class PagedAttentionBackend(AttentionBackend):
     chunk. With `platform.operator_table(dtype, "reference")` it is plain torch."""
 
     name = "paged"
-    implements_softcap = True
+    implements_score_modifiers = True
 
     def __init__(self, ops: OperatorTable) -> None:
         self.ops = ops
@@ -90,7 +90,7 @@ class PagedAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
-        softcap: float | None = None,
+        modifiers: ScoreModifiers | None = None,
     ) -> torch.Tensor:
         ops = self.ops
         ops.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
@@ -98,7 +98,7 @@ class PagedAttentionBackend(AttentionBackend):
         if metadata.num_decodes:
             b = metadata.num_decodes
             out[:b] = ops.decode_attention(
-                q[:b], k_cache, v_cache, metadata.decode_block_tables, metadata.decode_mask, scale, softcap
+                q[:b], k_cache, v_cache, metadata.decode_block_tables, metadata.decode_mask, scale, modifiers
             )
         for chunk in metadata.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.num_queries)
@@ -108,7 +108,7 @@ class PagedAttentionBackend(AttentionBackend):
                 context = chunk.start_pos + chunk.num_queries
                 keys = k_cache.index_select(0, chunk.block_ids).flatten(0, 1)[:context].to(q.dtype)
                 values = v_cache.index_select(0, chunk.block_ids).flatten(0, 1)[:context].to(q.dtype)
-            out[rows] = ops.prefill_attention(q[rows], keys, values, chunk.mask, scale, softcap)
+            out[rows] = ops.prefill_attention(q[rows], keys, values, chunk.mask, scale, modifiers)
         return out
 
     def is_decode_only(self, metadata: AttentionMetadata) -> bool:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from heteroserve.platforms.attention import ScoreModifiers
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalised in float32 like the reference implementations, scaled in the input dtype."""
@@ -67,17 +69,17 @@ def decode_attention(
     block_tables: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
-    softcap: float | None = None,
+    modifiers: ScoreModifiers | None = None,
 ) -> torch.Tensor:
     """One query per request: q [B, Hq, D] over its blocks (block_tables [B, max_blocks]); mask True = attend.
-    softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2)."""
+    modifiers: soft-capping and sinks (attention.ScoreModifiers)."""
     b, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     shape = (b, -1, num_kv_heads, head_dim)
     keys = k_cache.index_select(0, block_tables.flatten()).view(shape).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
     values = v_cache.index_select(0, block_tables.flatten()).view(shape).transpose(1, 2).to(q.dtype)
-    if softcap is not None:
-        return softcapped_attention(q[:, :, None], keys, values, mask, scale, softcap)[:, :, 0]
+    if modifiers is not None:
+        return modified_attention(q[:, :, None], keys, values, mask, scale, modifiers)[:, :, 0]
     q = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)  # query head h uses kv head h // group
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(b, num_heads, head_dim)
@@ -95,30 +97,41 @@ def prefill_attention(
     values: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
-    softcap: float | None = None,
+    modifiers: ScoreModifiers | None = None,
 ) -> torch.Tensor:
     """One chunk: q [n, Hq, D] over keys/values [context, Hkv, D]; mask None means causal over the chunk (whose
     queries are the last n keys)."""
     q, keys, values = q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
-    if softcap is not None:
+    if modifiers is not None:
         n, context = q.shape[2], keys.shape[2]
         if mask is None:
             mask = torch.ones(n, context, dtype=torch.bool, device=q.device).tril(context - n)
-        return softcapped_attention(q, keys, values, mask, scale, softcap)[0].transpose(0, 1)
+        return modified_attention(q, keys, values, mask, scale, modifiers)[0].transpose(0, 1)
     out = F.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
     )
     return out[0].transpose(0, 1)
 
 
-def softcapped_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+def modified_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    modifiers: ScoreModifiers,
 ) -> torch.Tensor:
-    """q [B, Hq, S, D] over keys/values [B, Hkv, L, D], mask broadcast to [B, Hq, S, L] (True = attend), scores
-    capped at +-softcap by tanh; the softmax in float32 (transformers' eager attention, which Gemma 2 uses)."""
+    """q [B, Hq, S, D] over keys/values [B, Hkv, L, D], mask broadcast to [B, Hq, S, L] (True = attend), with the
+    scores capped at +-softcap by tanh and/or each head's sink logit joining the softmax (its probability is then
+    dropped); the softmax in float32 (transformers' eager attention, which Gemma 2 and gpt-oss use)."""
     group = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(values.dtype), values)
+    if modifiers.softcap is not None:
+        scores = modifiers.softcap * torch.tanh(scores / modifiers.softcap)
+    scores = scores.masked_fill(~mask, float("-inf")).float()
+    if modifiers.sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
+    sinks = modifiers.sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(values.dtype), values)

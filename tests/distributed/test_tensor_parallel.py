@@ -70,6 +70,7 @@ def test_tensor_parallel_replicated_kv_head_and_uneven_vocabulary(one_kv_head, g
         ("gemma2", "tensor_parallel_size"),
         ("gemma2", "pipeline_parallel_size"),
         ("qwen2_moe", "tensor_parallel_size"),
+        ("gpt_oss", "tensor_parallel_size"),
     ],
 )
 def test_families_with_biases_soft_capping_and_windows_over_two_ranks(family, parallel, tmp_path, greedy_comparison):
@@ -77,7 +78,8 @@ def test_families_with_biases_soft_capping_and_windows_over_two_ranks(family, pa
     multipliers; Gemma 2: soft-capped scores and logits, sandwich norms, alternating windows, and over two pipeline
     stages whose layers use different sets of windows (a window layer and a global one, then a window layer): each
     stage keeps every KV group, in the model's order; Qwen2-MoE: each rank a slice of every expert and of the gated
-    shared expert, routed on the whole hidden state, the partial sums all-reduced with the dense layer's."""
+    shared expert, routed on the whole hidden state, the partial sums all-reduced with the dense layer's; gpt-oss:
+    each rank its heads' sinks, the experts' output biases added by one rank."""
     tiny = save_tiny(family, tmp_path)
     _check_against_transformers(tiny, greedy_comparison, f"{family} {parallel}=2", **{parallel: 2})
 

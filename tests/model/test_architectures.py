@@ -89,6 +89,7 @@ def test_checkpoint_exercises_its_architecture(tiny):
         "mixtral": [{"num_experts_per_tok": 1}],
         "qwen2_moe": [{"norm_topk_prob": True}],
         "glm4_moe": [{"routed_scaling_factor": 1.0}, {"n_group": 1, "topk_group": 1}],
+        "gpt_oss": [{"swiglu_limit": 7.0}],
         "deepseek_v2": [{"topk_method": "greedy"}],
         "deepseek_v3": [{"rope_interleave": False}, {"n_group": 1, "topk_group": 1}],
     }.get(tiny.name, [])
@@ -101,6 +102,13 @@ def test_checkpoint_exercises_its_architecture(tiny):
         with torch.inference_mode():
             other = variant(torch.tensor([ids])).logits[0]
         assert (other - base).abs().max() > 0.1 * base.abs().max(), f"{tiny.name}: {change} changes nothing"
+    if tiny.name == "gpt_oss":  # without its sinks, every layer's attention moves the logits
+        sinkless = AutoModelForCausalLM.from_pretrained(tiny.folder, dtype=torch.float32, attn_implementation="eager")
+        with torch.inference_mode():
+            for layer in sinkless.model.layers:
+                layer.self_attn.sinks.fill_(float("-inf"))
+            other = sinkless(torch.tensor([ids])).logits[0]
+        assert (other - base).abs().max() > 0.1 * base.abs().max(), "gpt_oss: the sinks change nothing"
 
 
 def test_single_prompt(tiny, greedy_comparison):

@@ -18,7 +18,16 @@ import torch
 from tests.entrypoints.server_process import ServerProcess
 from tests.model.tiny_models import LOGIT_RTOL, TinyModel, prompts, save_tiny
 
-MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "ernie4_5_moe", "glm4_moe", "deepseek_v2", "deepseek_v3"]
+MOE_FAMILIES = [
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "ernie4_5_moe",
+    "glm4_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "gpt_oss",
+]
 NEW_TOKENS = 12
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 

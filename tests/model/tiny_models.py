@@ -198,6 +198,30 @@ SPECS: dict[str, tuple[str, dict]] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
         },
     ),
+    # gpt-oss: attention sinks, alternating 8-token windows, YaRN, biases everywhere, 8 experts with biases chosen
+    # by their top-2 logits, a SwiGLU clamped at 2 (low enough to bite on these activations).
+    "gpt_oss": (
+        "gpt_oss",
+        {
+            "tie_word_embeddings": False,
+            "attention_bias": True,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "swiglu_limit": 2.0,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1.5e5,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+        },
+    ),
     # DeepSeek-V2-Lite's shape: latent attention without a query bottleneck (a 32-wide latent for 4 heads of
     # 16 + 8 rotary), YaRN with its mscale, top-3 of softmax scores within the best 2 of 4 groups by each group's
     # best expert, two shared experts, a dense first layer.
@@ -283,6 +307,8 @@ def randomize(model: PreTrainedModel, seed: int, std: float = 0.2) -> None:
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
         if "embed_tokens" in name:
             param.copy_(0.5 * noise)
+        elif name.endswith("self_attn.sinks"):  # gpt-oss: logits on the scores' scale, so that the sinks take a share
+            param.copy_(1.0 + noise)
         elif param.ndim == 1 and name.endswith(".weight"):  # RMSNorm gains, q/k norms included
             param.copy_(1.0 + 0.2 * noise)
         else:  # projection matrices, lm_head, qkv biases

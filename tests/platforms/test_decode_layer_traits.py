@@ -75,6 +75,7 @@ LAYER_TRAITS: dict[str, tuple[Callable[[DecodeLayerWeights], DecodeLayerWeights]
     "rotary": (_trait("rotary", "local"), True),
     "o_bias": (_trait("o_bias", True), False),
     "attn_softcap": (_trait("attn_softcap", 50.0), False),
+    "attn_sinks": (_trait("attn_sinks", True), False),
     "pre_norms": (_trait("pre_norms", False, input_norm=None, post_norm=None), False),
     "output_norms": (_trait("output_norms", True), False),
     "activation": (_trait("activation", "gelu_tanh"), False),

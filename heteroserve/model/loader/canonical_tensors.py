@@ -43,7 +43,8 @@ def canonical_tensors(tensors: Iterable[tuple[str, object]], arch: ModelArch) ->
         if expert is not None and expert.group(2) in layout.expert_projections:
             ours = _EXPERT_NAMES[layout.expert_projections.index(expert.group(2))]
             rest = expert.group(1) + ours + expert.group(3)
-        for part, value in _split_fused(rest, tensor, arch):
+        parts = _split_stacked_experts(rest, tensor) if layout.stacked_experts else None
+        for part, value in parts or _split_fused(rest, tensor, arch):
             if layout.norm_offset:
                 value = _offset_norm(part, value)
             if order is not None:
@@ -63,6 +64,30 @@ def _split_fused(rest: str, tensor, arch: ModelArch) -> list[tuple[str, object]]
         sizes = [arch.intermediate_size] * 2
         return list(zip([f"mlp.gate_proj{suffix}", f"mlp.up_proj{suffix}"], split_rows(tensor, sizes), strict=True))
     return [(rest, tensor)]
+
+
+def _split_stacked_experts(rest: str, tensor) -> list[tuple[str, object]] | None:
+    """A layer's expert stack (CheckpointLayout.stacked_experts) as each expert's projections under our names, in
+    our [out, in] layout with gate and up apart; None for any other tensor."""
+    if not rest.startswith("mlp.experts.") or rest.count(".") != 2:
+        return None
+    stack = rest.removeprefix("mlp.experts.")
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"mlp.experts.{stack}: a compressed expert stack of this layout is not supported")
+    parts = []
+    for e, expert in enumerate(tensor):
+        name = f"mlp.experts.{e}."
+        if stack == "gate_up_proj":  # [hidden, 2I], columns gate, up, gate, up, ...
+            parts += [(name + "gate_proj.weight", expert[:, 0::2].T), (name + "up_proj.weight", expert[:, 1::2].T)]
+        elif stack == "gate_up_proj_bias":
+            parts += [(name + "gate_proj.bias", expert[0::2]), (name + "up_proj.bias", expert[1::2])]
+        elif stack == "down_proj":  # [I, hidden]
+            parts.append((name + "down_proj.weight", expert.T))
+        elif stack == "down_proj_bias":
+            parts.append((name + "down_proj.bias", expert))
+        else:
+            raise ValueError(f"unexpected expert stack mlp.experts.{stack}")
+    return [(part, value.contiguous()) for part, value in parts]
 
 
 def split_rows(tensor, sizes: list[int]) -> list[object]:

@@ -127,6 +127,8 @@ def _load_attention(attn, p: str, take, dtype: torch.dtype, sizes: tuple[int, in
     _put_linear(attn, "o_proj", take(p + "o_proj.weight", (h, q_rows)))
     if attn.o_bias is not None:
         _put(attn.o_bias, take(p + "o_proj.bias", (h,)))
+    if attn.sinks is not None:
+        _put(attn.sinks, take(p + "sinks", (attn.num_heads,)))
 
 
 def _load_latent_attention(attn: LatentAttention, p: str, take, rotary_order: torch.Tensor | None, h: int) -> None:
@@ -174,6 +176,8 @@ def _load_experts(moe: MoEBlock, prefix: str, take, found: dict, dtype: torch.dt
     """A mixture-of-experts MLP's router (kept in float32), its experts and its shared experts."""
     spec, h = moe.spec, moe.router.shape[1]
     moe.router.data = take(prefix + "gate.weight", (spec.num_experts, h)).float().contiguous()
+    if moe.router_bias is not None:
+        moe.router_bias.data = take(prefix + "gate.bias", (spec.num_experts,)).float()
     if moe.correction_bias is not None:
         name = prefix + "gate.e_score_correction_bias"
         bias = found.get(name)
@@ -185,6 +189,10 @@ def _load_experts(moe: MoEBlock, prefix: str, take, found: dict, dtype: torch.dt
         gate_up = [take(q + "gate_proj.weight", (inter, h)), take(q + "up_proj.weight", (inter, h))]
         moe.experts_gate_up[local] = _cat(gate_up, dtype)
         moe.experts_down[local] = take(q + "down_proj.weight", (h, inter))
+        if spec.expert_bias:
+            gate_up_bias = [take(q + "gate_proj.bias", (inter,)), take(q + "up_proj.bias", (inter,))]
+            moe.experts_gate_up_bias[local] = torch.cat(gate_up_bias)
+            moe.experts_down_bias[local] = take(q + "down_proj.bias", (h,))
     shared = spec.shared_intermediate_size
     if shared:
         q = prefix + "shared_experts."
