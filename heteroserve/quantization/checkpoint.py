@@ -16,12 +16,15 @@ from transformers import PretrainedConfig
 
 from heteroserve.quantization.awq import AwqConfig, awq_weight
 from heteroserve.quantization.gptq import GptqConfig, gptq_weight
+from heteroserve.quantization.mxfp4 import dequantize_stacks
 
 CHECKPOINT_FORMATS = {"gptq": (GptqConfig, gptq_weight), "awq": (AwqConfig, awq_weight)}
 QuantizedConfig = GptqConfig | AwqConfig
+# gpt-oss's MXFP4 experts: dequantised as they stream in (mxfp4.py), so the checkpoint loads as a float one.
+MXFP4 = "mxfp4"
 
 
-def checkpoint_quantization(folder: Path, hf_config: PretrainedConfig) -> tuple[str, QuantizedConfig] | None:
+def checkpoint_quantization(folder: Path, hf_config: PretrainedConfig) -> tuple[str, QuantizedConfig | None] | None:
     """(method, its settings) of a pre-quantised checkpoint, or None for a float one."""
     settings = getattr(hf_config, "quantization_config", None)
     if settings is None and (folder / "quantize_config.json").is_file():
@@ -32,6 +35,8 @@ def checkpoint_quantization(folder: Path, hf_config: PretrainedConfig) -> tuple[
     if not isinstance(settings, dict):
         settings = settings.to_dict()
     method = str(settings.get("quant_method", "")).lower()
+    if method == MXFP4:
+        return method, None
     if method not in CHECKPOINT_FORMATS:
         raise ValueError(
             f"{folder}: quantization method {method!r} is not supported (supported: {', '.join(CHECKPOINT_FORMATS)})"
@@ -43,7 +48,11 @@ def unpack_checkpoint(
     tensors: Iterable[tuple[str, torch.Tensor]], method: str, config: QuantizedConfig, dequantize: bool = False
 ) -> Iterator[tuple[str, object]]:
     """Float tensors pass through; each linear's packed tensors become one `prefix.weight` (float if
-    `dequantize`). A linear with only some of its packed tensors is an error naming what is missing."""
+    `dequantize`; MXFP4 stacks always are). A linear with only some of its packed tensors is an error naming what
+    is missing."""
+    if method == MXFP4:
+        yield from dequantize_stacks(tensors)
+        return
     build = CHECKPOINT_FORMATS[method][1]
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:

@@ -40,7 +40,7 @@ from heteroserve.model.sharding import ModelShard
 from heteroserve.model.vision.encoder import VisionEncoder
 from heteroserve.model.vision.loading import build_vision_encoder, split_vision_tensors
 from heteroserve.platforms import Platform
-from heteroserve.quantization.checkpoint import checkpoint_quantization, unpack_checkpoint
+from heteroserve.quantization.checkpoint import MXFP4, checkpoint_quantization, unpack_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -233,13 +233,15 @@ def _checkpoint_tensors(
         raise ValueError(
             f"--quantization {quantization} does not match {folder}: it is not a {wanted} (found: {method})"
         )
-    if quantization in ("int4", "int8") and detected:
+    if quantization in ("int4", "int8") and detected and method != MXFP4:  # MXFP4 loads as float: see mxfp4.py
         raise ValueError(
             f"--quantization {quantization} is for float checkpoints; {folder} is already quantised ({method})"
         )
     tensors = iterate_safetensors(folder)
     if detected:
-        return unpack_checkpoint(tensors, *detected, dequantize=quantization == "none")
+        tensors = unpack_checkpoint(tensors, *detected, dequantize=quantization == "none")
+        if method != MXFP4:
+            return tensors
     if quantize and quantization in ("int4", "int8"):
         return quantize_projections(tensors, quantization, projections)
     return tensors
