@@ -112,12 +112,17 @@ def write_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantization
     return path
 
 
+# Matrices the converter keeps in float32 whatever the file type: routers (mixtures of experts).
+FLOAT_MATRICES = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
 def write_tensors(writer: GGUFWriter, tensors: dict[str, np.ndarray], qtype: GGMLQuantizationType) -> None:
-    """The file type, then the tensors (matrices in `qtype`, the rest float32), and the file is written."""
+    """The file type, then the tensors (weight matrices and expert stacks in `qtype`, the rest float32, as
+    convert_hf_to_gguf.py chooses), and the file is written."""
     quantized = qtype != GGMLQuantizationType.F32
     writer.add_file_type(LlamaFileType.MOSTLY_Q8_0 if quantized else LlamaFileType.ALL_F32)
     for name, value in tensors.items():
-        if quantized and value.ndim == 2:
+        if quantized and value.ndim >= 2 and name.endswith(".weight") and not name.endswith(FLOAT_MATRICES):
             writer.add_tensor(name, quantize(value, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))

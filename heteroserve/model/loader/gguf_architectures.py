@@ -9,6 +9,12 @@ row order and its norm convention. Per architecture: the transformers model_type
   our Gemma layout adds it at load;
 - `split_qkv`: a fused `attn_qkv` is split here where the family's layout has no fused q/k/v (Qwen, ChatGLM);
   Phi-3's is renamed to the fused name its layout splits. A fused gate/up is llama.cpp's `ffn_up`.
+
+Mixtures of experts: llama.cpp stacks a layer's experts into 3-D tensors (`ffn_{gate,up,down}_exps`, gate and up
+fused in `ffn_gate_up_exps` where the converter was asked to), which gguf_loader.py splits into one weight per
+expert; its router is `ffn_gate_inp`. Which layers hold experts is read from where the routers are, and the
+experts' sizes from the tensors' shapes (ERNIE's converter writes a shared-expert length of its own guessing).
+An architecture whose dense files may also carry experts (Llama's, for Mixtral) names its `with_experts` variant.
 """
 
 from __future__ import annotations
@@ -21,14 +27,21 @@ from heteroserve.model.families import FULL, SLIDING
 
 @dataclass(frozen=True)
 class Metadata:
-    """A file's `<arch>.*` keys (without the prefix), its tensor names and the common config fields built so far."""
+    """A file's `<arch>.*` keys (without the prefix), its tensor names (and shapes) and the common config fields
+    built so far."""
 
     get: Callable[[str, object], object]
     tensor_names: frozenset[str]
     common: dict
+    tensor_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # torch order
 
     def has_tensor(self, layer_tensor: str) -> bool:
         return f"blk.0.{layer_tensor}" in self.tensor_names
+
+    def layers_with(self, layer_tensor: str) -> list[int]:
+        """The blocks that hold `layer_tensor` (e.g. a router), in order."""
+        blocks = (name.split(".")[1] for name in self.tensor_names if name.endswith(f".{layer_tensor}"))
+        return sorted(int(b) for b in blocks)
 
 
 _LLAMA_LAYER = {
@@ -56,7 +69,25 @@ _GLM4_LAYER = {
     "post_attention_norm": "post_self_attn_layernorm",
     "post_ffw_norm": "post_mlp_layernorm",
 }
+_MOE_LAYER = {
+    **_LLAMA_LAYER,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_GLM4_MOE_LAYER = {**_MOE_LAYER, "post_attention_norm": "post_attention_layernorm"}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# llama.cpp's expert stacks -> the projections of each expert they hold, in row order.
+EXPERT_STACKS = {
+    "ffn_gate_exps": ("gate_proj",),
+    "ffn_up_exps": ("up_proj",),
+    "ffn_down_exps": ("down_proj",),
+    "ffn_gate_up_exps": ("gate_proj", "up_proj"),
+}
+# The router's correction bias (DeepSeek-V3, GLM-4.5, ERNIE 4.5): llama.cpp's exp_probs_b.bias.
+CORRECTION_BIAS = ("exp_probs_b", "mlp.gate.e_score_correction_bias")
 
 
 def _none(meta: Metadata) -> dict:
@@ -71,6 +102,8 @@ class GGUFArchitecture:
     permuted_qk: bool = False
     norm_offset: float = 0.0
     split_qkv: bool = False
+    moe: bool = False  # its layers may hold experts
+    with_experts: GGUFArchitecture | None = None  # the variant a file with `<arch>.expert_count` is
 
 
 def _biases(meta: Metadata, key: str = "attention_bias") -> dict:
@@ -171,8 +204,129 @@ def _smollm3(meta: Metadata) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class Experts:
+    """A file's mixture of experts: the model's blocks with a router (multi-token-prediction blocks past
+    `num_layers` aside), and the sizes read from the first one's tensors."""
+
+    layers: list[int]
+    count: int
+    used: int
+    intermediate: int  # one expert's
+    shared_intermediate: int  # all shared experts together (0: none)
+
+    @classmethod
+    def of(cls, meta: Metadata, num_layers: int | None = None) -> Experts:
+        num_layers = meta.common["num_hidden_layers"] if num_layers is None else num_layers
+        layers = [i for i in meta.layers_with("ffn_gate_inp.weight") if i < num_layers]
+        count, used = meta.get("expert_count", 0), meta.get("expert_used_count", 0)
+        if not (layers and count and used):
+            raise ValueError("GGUF file has no experts (expert_count, expert_used_count, ffn_gate_inp tensors)")
+        shapes, first = meta.tensor_shapes, f"blk.{layers[0]}."
+        down = shapes.get(first + "ffn_down_exps.weight")
+        if down is None or down[0] != count:
+            raise ValueError(f"GGUF block {layers[0]} has no ffn_down_exps stack of {count} experts")
+        shared = shapes.get(first + "ffn_down_shexp.weight", (0, 0))[1]
+        return cls(layers, count, used, down[2], shared)
+
+    def shared_count(self) -> int:
+        """Shared experts of one expert's size each (ERNIE 4.5, GLM-4.5)."""
+        if self.shared_intermediate % self.intermediate:
+            raise ValueError(
+                f"GGUF shared experts of {self.shared_intermediate} rows are not a whole number of {self.intermediate}"
+            )
+        return self.shared_intermediate // self.intermediate
+
+    def check_layers(self, expected: list[int], how: str) -> None:
+        if self.layers != expected:
+            raise ValueError(f"GGUF blocks with experts {self.layers} are not {how}'s {expected}")
+
+
+def _mixtral(meta: Metadata) -> dict:
+    experts = Experts.of(meta)
+    experts.check_layers(list(range(meta.common["num_hidden_layers"])), "Mixtral (every layer)")
+    return {
+        "num_local_experts": experts.count,
+        "num_experts_per_tok": experts.used,
+        "intermediate_size": experts.intermediate,
+        "sliding_window": meta.get("attention.sliding_window", None),
+    }
+
+
+def _qwen_moe(meta: Metadata, normalize: bool) -> dict:
+    """Layers without a router are Qwen-MoE's `mlp_only_layers`. llama.cpp renormalises the top-k weights of
+    Qwen3-MoE and not of Qwen2-MoE unless `expert_weights_norm` says otherwise."""
+    experts = Experts.of(meta)
+    layers = meta.common["num_hidden_layers"]
+    return {
+        "num_experts": experts.count,
+        "num_experts_per_tok": experts.used,
+        "moe_intermediate_size": experts.intermediate,
+        "shared_expert_intermediate_size": experts.shared_intermediate,
+        "norm_topk_prob": bool(meta.get("expert_weights_norm", normalize)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(layers) if i not in experts.layers],
+        "use_sliding_window": False,
+    }
+
+
+def _qwen2_moe(meta: Metadata) -> dict:
+    return {**_qwen_moe(meta, normalize=False), "qkv_bias": meta.has_tensor("attn_q.bias")}
+
+
+def _qwen3_moe(meta: Metadata) -> dict:
+    return {**_qwen_moe(meta, normalize=True), **_biases(meta)}
+
+
+def _ernie4_5_moe(meta: Metadata) -> dict:
+    """ERNIE 4.5's experts sit on every `interleave_moe_layer_step`-th layer from the first one with a router."""
+    experts = Experts.of(meta)
+    first, last, step = experts.layers[0], experts.layers[-1], meta.get("interleave_moe_layer_step", 1)
+    experts.check_layers([i for i in range(first, last + 1) if (i + 1) % step == 0], f"ERNIE 4.5 (step {step})")
+    return {
+        **_biases(meta, "use_bias"),
+        "moe_num_experts": experts.count,
+        "moe_k": experts.used,
+        "moe_intermediate_size": experts.intermediate,
+        "moe_num_shared_experts": experts.shared_count(),
+        "moe_layer_start_index": first,
+        "moe_layer_end_index": last,
+        "moe_layer_interval": step,
+    }
+
+
+_SIGMOID = 2  # llama.cpp's expert_gating_func for sigmoid scores (gguf.ExpertGatingFuncType)
+
+
+def _glm4_moe(meta: Metadata) -> dict:
+    """GLM-4.5: dense leading layers, sigmoid scores; multi-token-prediction blocks are counted in block_count."""
+    if meta.get("expert_gating_func", _SIGMOID) != _SIGMOID:
+        raise ValueError("GGUF key glm4moe.expert_gating_func: GLM-4.5's experts are scored by sigmoid here")
+    nextn = meta.get("nextn_predict_layers", 0)
+    layers = meta.common["num_hidden_layers"] - nextn
+    experts = Experts.of(meta, layers)
+    dense = meta.get("leading_dense_block_count", 0)
+    experts.check_layers(list(range(dense, layers)), f"GLM-4.5 (after {dense} dense ones)")
+    return {
+        **_biases(meta),
+        "num_hidden_layers": layers,
+        "num_nextn_predict_layers": nextn,
+        "use_qk_norm": meta.has_tensor("attn_q_norm.weight"),
+        "n_routed_experts": experts.count,
+        "num_experts_per_tok": experts.used,
+        "moe_intermediate_size": experts.intermediate,
+        "n_shared_experts": experts.shared_count(),
+        "first_k_dense_replace": dense,
+        "n_group": meta.get("expert_group_count", 1),
+        "topk_group": meta.get("expert_group_used_count", 1),
+        "routed_scaling_factor": meta.get("expert_weights_scale", 1.0),
+        "norm_topk_prob": bool(meta.get("expert_weights_norm", False)),
+    }
+
+
+_MIXTRAL = GGUFArchitecture("mixtral", _mixtral, _MOE_LAYER, permuted_qk=True, moe=True)  # Llama's, with experts
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
-    "llama": GGUFArchitecture("llama", _biases, permuted_qk=True),
+    "llama": GGUFArchitecture("llama", _biases, permuted_qk=True, with_experts=_MIXTRAL),
     "mistral": GGUFArchitecture("mistral", _mistral, permuted_qk=True),
     "qwen2": GGUFArchitecture("qwen2", _no_window),
     "qwen3": GGUFArchitecture("qwen3", _no_window),
@@ -187,10 +341,20 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "smollm3": GGUFArchitecture("smollm3", _smollm3, permuted_qk=True),
     "granite": GGUFArchitecture("granite", _granite, permuted_qk=True),
     "olmo2": GGUFArchitecture("olmo2", _biases, _SANDWICH_LAYER),
+    "qwen2moe": GGUFArchitecture("qwen2_moe", _qwen2_moe, _MOE_LAYER, moe=True),
+    "qwen3moe": GGUFArchitecture("qwen3_moe", _qwen3_moe, _MOE_LAYER, moe=True),
+    "ernie4_5-moe": GGUFArchitecture("ernie4_5_moe", _ernie4_5_moe, _MOE_LAYER, moe=True),
+    "glm4moe": GGUFArchitecture("glm4_moe", _glm4_moe, _GLM4_MOE_LAYER, moe=True),
 }
 
 
-def gguf_architecture(name: str) -> GGUFArchitecture:
+def gguf_architecture(name: str, expert_count: int = 0) -> GGUFArchitecture:
+    """The table's entry for `general.architecture`; with experts, its `with_experts` variant where it has one."""
     if name not in ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {name!r}; supported: {', '.join(ARCHITECTURES)}")
-    return ARCHITECTURES[name]
+    arch = ARCHITECTURES[name]
+    if expert_count and not arch.moe:
+        if arch.with_experts is None:
+            raise ValueError(f"GGUF key {name}.expert_count (mixture-of-experts layers) is not supported for {name}")
+        arch = arch.with_experts
+    return arch

@@ -3,6 +3,8 @@
 Tensor names follow llama.cpp's convention (blk.N.attn_q, ...); each architecture's names, config keys and the
 converter's transforms to undo (Llama's q/k row permutation, Gemma's +1 norms, fused q/k/v) are data in
 gguf_architectures.py, so what leaves here is a Hugging Face checkpoint of the family, for canonical_tensors.
+A 3-D stack of experts leaves as one weight per expert, each read from its own rows of the file (compressed,
+or dequantised alone), so the whole stack is never expanded at once.
 """
 
 from __future__ import annotations
@@ -18,14 +20,20 @@ from gguf.quants import dequantize
 from transformers import AutoConfig, PretrainedConfig
 
 from heteroserve.model.loader.canonical_tensors import split_rows
-from heteroserve.model.loader.gguf_architectures import GLOBAL_TENSORS, GGUFArchitecture, Metadata, gguf_architecture
+from heteroserve.model.loader.gguf_architectures import (
+    CORRECTION_BIAS,
+    EXPERT_STACKS,
+    GLOBAL_TENSORS,
+    GGUFArchitecture,
+    Metadata,
+    gguf_architecture,
+)
 from heteroserve.quantization.ggml import BLOCK_BYTES, ggml_weight
 from heteroserve.quantization.int4 import Int4Weight
 from heteroserve.quantization.int8 import Int8Weight
 
 # Metadata keys whose meaning no family here implements: refused rather than ignored.
 _REFUSED_KEYS = {
-    "expert_count": "mixture-of-experts layers",
     "rope.dimension_sections": "M-RoPE sections",
     "attention.q_lora_rank": "low-rank (MLA) attention",
 }
@@ -55,10 +63,15 @@ def _field(reader: GGUFReader, key: str, default=None):
     return default if field is None else field.contents()
 
 
+def reader_architecture(reader: GGUFReader) -> tuple[str, GGUFArchitecture]:
+    """`general.architecture` and its table entry (the variant with experts where `<arch>.expert_count` says so)."""
+    name = _field(reader, "general.architecture")
+    return name, gguf_architecture(name, _field(reader, f"{name}.expert_count", 0))
+
+
 def gguf_config(reader: GGUFReader) -> PretrainedConfig:
     """The transformers config of the file's family, from the `<arch>.*` keys (gguf_architectures.py)."""
-    arch_name = _field(reader, "general.architecture")
-    arch = gguf_architecture(arch_name)
+    arch_name, arch = reader_architecture(reader)
 
     def get(key: str, default=None):
         return _field(reader, f"{arch_name}.{key}", default)
@@ -93,7 +106,8 @@ def gguf_config(reader: GGUFReader) -> PretrainedConfig:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
-    extra = arch.config(Metadata(get, names, common))
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+    extra = arch.config(Metadata(get, names, common, shapes))
     if get("attention.sliding_window") and "sliding_window" not in extra:
         raise ValueError(f"GGUF key {arch_name}.attention.sliding_window is not supported for this architecture")
     return AutoConfig.for_model(arch.model_type, **{**common, **extra})
@@ -117,6 +131,8 @@ def _hf_name(gguf_name: str, arch: GGUFArchitecture) -> str:
     base, _, suffix = gguf_name.rpartition(".")
     if base.startswith("blk."):
         _, index, kind = base.split(".", 2)
+        if kind == CORRECTION_BIAS[0] and arch.moe:
+            return f"model.layers.{index}.{CORRECTION_BIAS[1]}"
         if kind == "attn_qkv" and arch.split_qkv:
             return f"model.layers.{index}.attn_qkv.{suffix}"  # split by iterate_gguf
         if kind not in arch.layer_tensors:
@@ -143,6 +159,9 @@ _LINEAR_SUFFIXES = (
     "ffn_gate.weight",
     "ffn_up.weight",
     "ffn_down.weight",
+    "ffn_gate_shexp.weight",
+    "ffn_up_shexp.weight",
+    "ffn_down_shexp.weight",
     "output.weight",
 )
 
@@ -163,9 +182,16 @@ def iterate_gguf(
     reader: GGUFReader, config: PretrainedConfig, keep_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]:
     """HF-named weights in the Hugging Face layout; with `keep_quantized`, see `kept_compressed` (everything else is
-    dequantised). The converter's transforms are undone (gguf_architectures.py)."""
-    arch = gguf_architecture(_field(reader, "general.architecture"))
+    dequantised). The converter's transforms are undone (gguf_architectures.py). Blocks past the model's layers
+    (GLM-4.5's multi-token prediction) are skipped."""
+    _, arch = reader_architecture(reader)
     for tensor in reader.tensors:
+        block, kind = _block(tensor.name)
+        if block is not None and block >= config.num_hidden_layers:
+            continue
+        if kind in EXPERT_STACKS:
+            yield from _experts(tensor, block, EXPERT_STACKS[kind], keep_quantized)
+            continue
         name = _hf_name(tensor.name, arch)
         value = _load(tensor, keep_quantized)
         if arch.permuted_qk and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
@@ -173,6 +199,8 @@ def iterate_gguf(
             value = _unpermute(value, heads)
         if arch.norm_offset and tensor.name.endswith("norm.weight"):
             value = value - arch.norm_offset
+        if kind == "ffn_gate_inp_shexp" and value.ndim == 1:  # Qwen2-MoE's shared-expert gate, if stored flat
+            value = value[None]
         if arch.split_qkv and ".attn_qkv." in tensor.name:
             d = config.head_dim
             sizes = [config.num_attention_heads * d, config.num_key_value_heads * d, config.num_key_value_heads * d]
@@ -183,15 +211,44 @@ def iterate_gguf(
         yield name, value
 
 
+def _block(gguf_name: str) -> tuple[int | None, str | None]:
+    """(N, kind) of a `blk.N.kind.suffix` name; (None, None) for a global tensor."""
+    if not gguf_name.startswith("blk."):
+        return None, None
+    _, index, rest = gguf_name.split(".", 2)
+    return int(index), rest.rpartition(".")[0]
+
+
+def _experts(tensor, block: int, projections: tuple[str, ...], keep_quantized: bool):
+    """Each expert of a stack [experts, rows, columns] (torch order) under its Hugging Face name. Quantised blocks
+    run along a row, so expert e is the stack's rows e * rows ... (e + 1) * rows: its bytes alone are read."""
+    qtype = tensor_type(tensor)
+    columns, rows, count = (int(d) for d in tensor.shape)
+    compressed = keep_quantized and qtype in BLOCK_BYTES
+    for e in range(count):
+        data = tensor.data[e]
+        if compressed:
+            value = ggml_weight(qtype, data, rows)
+        else:
+            value = _dequantized(data, qtype, (rows, columns), tensor.name)
+        parts = split_rows(value, [rows // len(projections)] * len(projections)) if len(projections) > 1 else [value]
+        for projection, part in zip(projections, parts, strict=True):
+            yield f"model.layers.{block}.mlp.experts.{e}.{projection}.weight", part
+
+
 def _load(tensor, keep_quantized: bool) -> torch.Tensor | Int4Weight | Int8Weight:
     if keep_quantized and kept_compressed(tensor):
         return ggml_weight(tensor_type(tensor), tensor.data, int(tensor.shape[1]))
-    qtype = tensor_type(tensor)
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return _dequantized(tensor.data, tensor_type(tensor), shape, tensor.name)
+
+
+def _dequantized(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], name: str) -> torch.Tensor:
     try:
-        values = dequantize(tensor.data, qtype)
+        values = dequantize(data, qtype)
     except (NotImplementedError, ValueError) as exc:
-        raise ValueError(f"GGUF tensor {tensor.name!r} has unsupported type {qtype.name}: {exc}") from exc
-    values = np.asarray(values, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        raise ValueError(f"GGUF tensor {name!r} has unsupported type {qtype.name}: {exc}") from exc
+    values = np.asarray(values, dtype=np.float32).reshape(shape)
     return torch.from_numpy(np.array(values, dtype=np.float32))  # writable copy
 
 
