@@ -22,6 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from heteroserve import LLM
 from tests.model.tiny_models import (
     MAX_MODEL_LEN,
+    SPECS,
     as_reference,
     build_hf_model,
     check_output,
@@ -108,8 +109,22 @@ def write_gguf(model, path: Path, qtype: GGMLQuantizationType = GGMLQuantization
         writer.add_value_length(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.rope_parameters.get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = llama3_rope_freqs(cfg.rope_parameters, cfg.head_dim)
     write_tensors(writer, tensors, qtype)
     return path
+
+
+def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """The divisor of each rotary frequency under Llama 3's scaling, as convert_hf_to_gguf.py writes them into
+    rope_freqs: 1 for short wavelengths, `factor` for long ones, a smooth blend between."""
+    inv_freq = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    context, low, high = rope["original_max_position_embeddings"], rope["low_freq_factor"], rope["high_freq_factor"]
+    wavelength = 2 * np.pi / inv_freq
+    smooth = (context / wavelength - low) / (high - low)
+    blend = 1 / ((1 - smooth) / rope["factor"] + smooth)
+    divisors = np.where(wavelength > context / low, rope["factor"], blend)
+    return np.where(wavelength < context / high, 1.0, divisors).astype(np.float32)
 
 
 # Matrices the converter keeps in float32 whatever the file type: routers (mixtures of experts).
@@ -132,12 +147,16 @@ def write_tensors(writer: GGUFWriter, tensors: dict[str, np.ndarray], qtype: GGM
     writer.close()
 
 
+LLAMA3_ROPE = SPECS["llama3"][1]["rope_parameters"]
 # name -> (model_type, tied, tensor type, seed, config overrides)
 GGUF_MODELS = {
     "llama_f32": ("llama", False, GGMLQuantizationType.F32, 11, {}),
     "llama_q8_0": ("llama", True, GGMLQuantizationType.Q8_0, 12, {}),
     "qwen2_f32": ("qwen2", False, GGMLQuantizationType.F32, 14, {}),
     "qwen3_f32": ("qwen3", True, GGMLQuantizationType.F32, 15, {"head_dim": 32}),
+    # Llama 3.1's rope scaling, which llama.cpp's files carry as a rope_freqs tensor of frequency divisors; with
+    # head_dim 16 and an original context of 64 the frequencies fall in all three of its regimes.
+    "llama3_rope_freqs": ("llama", False, GGMLQuantizationType.F32, 16, {"rope_parameters": LLAMA3_ROPE}),
 }
 
 
@@ -165,9 +184,9 @@ def llama_f32(tmp_path_factory):
 def test_gguf_matches_transformers(gguf_model, greedy_comparison):
     name, model, path = gguf_model
     exact = GGUF_MODELS[name][2] == GGMLQuantizationType.F32
-    if model.config.model_type == "qwen3":
-        # transformers' GGUF loader ignores qwen3.attention.key_length and takes Qwen3Config's default
-        # head_dim, so the reference here is the (bit-identical, F32) model the file was written from.
+    if model.config.model_type == "qwen3" or name == "llama3_rope_freqs":
+        # transformers' GGUF loader ignores qwen3.attention.key_length (taking Qwen3Config's default head_dim) and
+        # rope_freqs, so the reference here is the (bit-identical, F32) model the file was written from.
         assert exact
         reference = as_reference(model)
     else:
@@ -192,7 +211,7 @@ def test_gguf_matches_transformers(gguf_model, greedy_comparison):
     assert hf_config.model_type == model.config.model_type
     assert hf_config.head_dim == model.config.head_dim
     assert hf_config.tie_word_embeddings == model.config.tie_word_embeddings
-    assert hf_config.rope_parameters["rope_theta"] == 50000.0
+    assert hf_config.rope_parameters["rope_theta"] == model.config.rope_parameters["rope_theta"]
     assert hf_config.rms_norm_eps == pytest.approx(1e-6)
     single = prompts(8, [37], vocab)
     _check(name, run(llm, single, greedy_params(vocab)), single, reference, greedy_comparison)

@@ -32,7 +32,13 @@ def inverse_frequencies(config: PretrainedConfig, spec: RotarySpec) -> tuple[tor
     # it): past it, it would rescale every position of a sequence as the sequence grows, which no table can.
     if rope_type in ("default", "dynamic"):
         base, dim = params["rope_theta"], spec.rotary_dim
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        divisors = getattr(config, "rope_frequency_divisors", None)  # a GGUF file's rope_freqs (gguf_loader.py)
+        if divisors is not None:
+            if len(divisors) != inv_freq.numel():
+                raise ValueError(f"rope_freqs has {len(divisors)} factors for {inv_freq.numel()} rotary frequencies")
+            inv_freq = inv_freq / torch.tensor(divisors, dtype=torch.float)
+        return inv_freq, 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"rope type {rope_type!r} is not supported")
     kwargs = {} if spec.layer_type is None else {"layer_type": spec.layer_type}

@@ -37,8 +37,8 @@ _REFUSED_KEYS = {
     "rope.dimension_sections": "M-RoPE sections",
     "attention.q_lora_rank": "low-rank (MLA) attention",
 }
-# Tensors that carry a rotary scaling we do not implement.
-_REFUSED_TENSORS = {"rope_freqs.weight": "llama.cpp's rope_freqs (Llama 3 rope scaling factors)"}
+# llama.cpp's per-frequency divisors of the rotary (the Llama 3 scaling, as its converter writes it).
+ROPE_FREQS = "rope_freqs.weight"
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -80,9 +80,6 @@ def gguf_config(reader: GGUFReader) -> PretrainedConfig:
         if get(key):
             raise ValueError(f"GGUF key {arch_name}.{key} ({what}) is not supported")
     names = frozenset(t.name for t in reader.tensors)
-    for name, what in _REFUSED_TENSORS.items():
-        if name in names:
-            raise ValueError(f"GGUF tensor {name} ({what}) is not supported")
     num_heads = get("attention.head_count")
     hidden = get("embedding_length")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -101,7 +98,7 @@ def gguf_config(reader: GGUFReader) -> PretrainedConfig:
         "max_position_embeddings": get("context_length", 4096),
         # The converter writes the original Qwen's epsilon under layer_norm_epsilon, although its norm is RMS.
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon") or get("attention.layer_norm_epsilon", 1e-6),
-        "rope_parameters": _rope_parameters(arch_name, get, head_dim),
+        "rope_parameters": _rope_parameters(arch_name, get, head_dim, ROPE_FREQS in names),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
@@ -110,13 +107,24 @@ def gguf_config(reader: GGUFReader) -> PretrainedConfig:
     extra = arch.config(Metadata(get, names, common, shapes))
     if get("attention.sliding_window") and "sliding_window" not in extra:
         raise ValueError(f"GGUF key {arch_name}.attention.sliding_window is not supported for this architecture")
-    return AutoConfig.for_model(arch.model_type, **{**common, **extra})
+    config = AutoConfig.for_model(arch.model_type, **{**common, **extra})
+    rope_freqs = _rope_freqs(reader)
+    if rope_freqs is not None:  # each rotary frequency divided by its factor (layers/rotary.py)
+        config.rope_frequency_divisors = rope_freqs
+    return config
 
 
-def _rope_parameters(arch_name: str, get, head_dim: int) -> dict:
+def _rope_freqs(reader: GGUFReader) -> list[float] | None:
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    return None if tensor is None else _load(tensor, False).float().flatten().tolist()
+
+
+def _rope_parameters(arch_name: str, get, head_dim: int, rope_freqs: bool) -> dict:
     """rope.freq_base, a linear scaling, and a partial rotary where rope.dimension_count is under head_dim."""
     params = {"rope_type": "default", "rope_theta": get("rope.freq_base", 10000.0)}
     scaling = get("rope.scaling.type", "none")
+    if scaling == "linear" and rope_freqs:
+        raise ValueError(f"GGUF key {arch_name}.rope.scaling.type linear beside a {ROPE_FREQS} tensor is not supported")
     if scaling == "linear":
         params = {**params, "rope_type": "linear", "factor": get("rope.scaling.factor")}
     elif scaling != "none":
@@ -187,8 +195,8 @@ def iterate_gguf(
     _, arch = reader_architecture(reader)
     for tensor in reader.tensors:
         block, kind = _block(tensor.name)
-        if block is not None and block >= config.num_hidden_layers:
-            continue
+        if (block is not None and block >= config.num_hidden_layers) or tensor.name == ROPE_FREQS:
+            continue  # rope_freqs is read into the config (gguf_config)
         if kind in EXPERT_STACKS:
             yield from _experts(tensor, block, EXPERT_STACKS[kind], keep_quantized)
             continue
