@@ -1,9 +1,11 @@
-// The chat page. Conversations are trees kept in localStorage: editing a message or regenerating an answer adds a
-// sibling, so every alternative stays reachable ("2/3"). Model output is Markdown rendered by markdown-it, with
+// The chat page. Conversations are trees kept in IndexedDB: editing a message or regenerating an answer adds a
+// sibling, so every alternative stays reachable ("2/3"). An answer is saved as it streams, keeps streaming when
+// another conversation is opened, and one cut by a reload is shown as interrupted. Model output is Markdown rendered by markdown-it, with
 // highlight.js and KaTeX, and always passed through DOMPurify before it reaches the page.
 
 import { splitThinking, toSafeHtml } from "./markdown.js";
-import { addNode, failed, importedConversations, leafOf, newConversation, pathOf, removeNode, store } from "./conversations.js";
+import { addNode, failed, importedConversations, isEmpty, leafOf, newConversation, pathOf, removeNode, store } from "./conversations.js";
+import { channel, conversationStore, migrateLocalStorage, openTabs, TAB } from "./storage.js";
 const $ = (id) => document.getElementById(id);
 
 // ---- rendering -----------------------------------------------------------------------------------------------
@@ -33,66 +35,126 @@ function button(text, className, label, onClick) {
   return b;
 }
 
-let conversations = store.get("conversations", []); // the index: [{id, title, updated}], newest first
+let conversations = []; // the list: [{id, title, updated, text}], newest first
 let conv = null;
-let controller = null; // the AbortController of the reply being streamed
+const streams = new Map(); // conversation id -> {conv, controller}: the answers this tab is streaming
+// The open conversation is answering, here or in another tab (which would overwrite a message added here).
+const streaming = () => !!conv && (streams.has(conv.id) || Object.values(conv.nodes).some((n) => n.streaming));
+let renaming = false; // a title is being edited in the list: redrawing it would drop the field
 
-function saveConversation(c = conv) {
-  c.updated = Date.now();
-  try { store.set("conversation." + c.id, c); }
-  catch { // images can outgrow localStorage: keep the conversation's text at least
-    const light = structuredClone(c);
-    for (const n of Object.values(light.nodes)) {
-      if (n.images?.length) { n.content = `[${n.images.length} image(s) not kept] ` + n.content; delete n.images; }
-    }
-    try { store.set("conversation." + c.id, light); } catch (e) { showNotice("Could not save: " + e.message); }
-  }
-  conversations = [{ id: c.id, title: c.title, updated: c.updated }, ...conversations.filter((e) => e.id !== c.id)];
-  store.set("conversations", conversations);
-  store.set("current", c.id);
-  renderList();
+const entryOf = (c) => ({ id: c.id, title: c.title, updated: c.updated,
+                          text: Object.values(c.nodes).map((n) => n.content ?? "").join("\n").toLowerCase() });
+function showInList(entry) {
+  conversations = [entry, ...conversations.filter((e) => e.id !== entry.id)].sort((a, b) => b.updated - a.updated);
 }
-function openConversation(id) {
-  controller?.abort();
-  if (conv && conv.id !== id && conv.nodes.root.children.length === 0) deleteConversation(conv.id, false);
-  conv = store.get("conversation." + id, null) ?? newConversation();
-  store.set("current", conv.id);
+function remember(id) { // the conversation a reload reopens (this tab's), and a new tab opens
+  sessionStorage.setItem("heteroserve.current", id);
+  store.set("current", id);
+}
+
+// Writes this one conversation (an empty one waits for its first message), then tells the other tabs.
+function saveConversation(c = conv) {
+  if (c.deleted || isEmpty(c)) return;
+  c.updated = Date.now();
+  showInList(entryOf(c));
+  renderList();
+  conversationStore.put(c).then(() => { saveFailed = false; channel.postMessage({ type: "saved", id: c.id }); })
+    .catch((e) => { if (!saveFailed) showNotice("Could not save: " + e.message); saveFailed = true; }); // said once
+}
+let saveFailed = false;
+async function openConversation(id) {
+  const previous = conv;
+  let c = streams.get(id)?.conv;
+  try { c ??= await conversationStore.get(id); } catch (e) { showNotice("Could not open: " + e.message); }
+  if (previous && previous.id !== id && isEmpty(previous) && conversations.some((e) => e.id === previous.id)) {
+    deleteConversation(previous.id, false);
+  }
+  conv = c ?? newConversation();
+  remember(conv.id);
   closeSidebarOnPhone();
   render();
   renderList();
+  settle(conv);
 }
 function startConversation() {
-  if (conv && conv.nodes.root.children.length === 0) { $("input").focus(); closeSidebarOnPhone(); return; }
-  controller?.abort();
+  if (conv && isEmpty(conv)) { $("input").focus(); closeSidebarOnPhone(); return; }
   conv = newConversation();
-  saveConversation();
+  remember(conv.id);
   render();
+  renderList();
   closeSidebarOnPhone();
   $("input").focus();
 }
 function deleteConversation(id, openNext = true) {
-  store.remove("conversation." + id);
+  const stream = streams.get(id);
+  if (stream) { stream.conv.deleted = true; stream.controller.abort(); }
+  conversationStore.remove(id).then(() => channel.postMessage({ type: "deleted", id }))
+    .catch((e) => showNotice("Could not delete: " + e.message));
   conversations = conversations.filter((e) => e.id !== id);
-  store.set("conversations", conversations);
-  if (openNext && conv?.id === id) {
-    conv = null;
-    if (conversations.length) openConversation(conversations[0].id); else startConversation();
-  }
+  if (openNext && conv?.id === id) { conv = null; openNewest(); }
   renderList();
 }
-function renameConversation(id, title) {
-  const c = conv?.id === id ? conv : store.get("conversation." + id, null);
-  if (!c || !title.trim()) return;
+function openNewest() { if (conversations.length) openConversation(conversations[0].id); else startConversation(); }
+async function renameConversation(id, title) {
+  if (!title.trim()) return;
+  const c = conv?.id === id ? conv : streams.get(id)?.conv ?? await conversationStore.get(id);
+  if (!c) return;
   c.title = title.trim().slice(0, 120);
   saveConversation(c);
   if (conv.id === id) $("title").textContent = c.title;
 }
 
+// An answer saved while it streamed whose tab is gone (reloaded, closed) was cut: it is marked interrupted. Whether
+// that tab is open is known from its Web Lock, else from how recently the answer was saved (every 500 ms).
+async function settle(c) {
+  const others = Object.values(c.nodes).filter((n) => n.streaming && n.streaming !== TAB);
+  if (!others.length) return;
+  const tabs = await openTabs().catch(() => null);
+  let live = 0;
+  for (const n of others) {
+    if (tabs ? tabs.has(n.streaming) : Date.now() - (n.streamedAt ?? 0) < 3000) { live += 1; continue; }
+    n.interrupted = true;
+    delete n.streaming; delete n.streamedAt;
+  }
+  if (live < others.length) { saveConversation(c); if (conv === c) render(); }
+  if (live) setTimeout(() => { if (conv?.id === c.id) settle(conv); }, 1000); // still streaming elsewhere: look again
+}
+
+// What the other tabs did: the list follows, and the open conversation unless a message is being edited here; and
+// what they ask: stop an answer streaming here.
+channel.addEventListener("message", async ({ data }) => {
+  if (data.type === "deleted") {
+    conversations = conversations.filter((e) => e.id !== data.id);
+    if (conv?.id === data.id && !streams.has(data.id)) openNewest();
+    renderList();
+  } else if (data.type === "saved" && !streams.has(data.id)) {
+    const c = await conversationStore.get(data.id).catch(() => null);
+    if (!c) return;
+    showInList(entryOf(c));
+    renderList();
+    if (conv?.id === c.id && !$("log").querySelector(".edit-box")) {
+      const log = $("log"), top = log.scrollTop, follow = nearBottom();
+      conv = c;
+      render();
+      if (!follow) log.scrollTop = top;
+    }
+  } else if (data.type === "stop") {
+    streams.get(data.id)?.controller.abort();
+  } else if (data.type === "gone" && conv && Object.values(conv.nodes).some((n) => n.streaming === data.tab)) {
+    settle(conv);
+  }
+});
+window.addEventListener("pagehide", () => channel.postMessage({ type: "gone", tab: TAB }));
+
+let shownList = null; // what the list shows: redrawn only when it changes (a save while streaming leaves it)
 function renderList() {
   const list = $("conversations"), query = $("search").value.trim().toLowerCase();
+  const shown = conversations.filter((e) => !query || e.title.toLowerCase().includes(query) || e.text.includes(query));
+  const key = JSON.stringify([conv?.id, shown.map((e) => [e.id, e.title])]);
+  if (renaming || key === shownList) return;
+  shownList = key;
   list.innerHTML = "";
-  for (const entry of conversations) {
-    if (query && !entry.title.toLowerCase().includes(query) && !matches(entry.id, query)) continue;
+  for (const entry of shown) {
     const li = document.createElement("li");
     li.classList.toggle("current", entry.id === conv?.id);
     const open = button(entry.title, "open", "Open " + entry.title, () => openConversation(entry.id));
@@ -100,13 +162,20 @@ function renderList() {
     const rename = button("✎", "link rename", "Rename " + entry.title, () => {
       const field = Object.assign(document.createElement("input"), { value: entry.title });
       field.setAttribute("aria-label", "New title");
-      const done = (keep) => { if (keep) renameConversation(entry.id, field.value); renderList(); };
+      const done = (keep) => {
+        if (!renaming) return;
+        renaming = false;
+        shownList = null;
+        if (keep) renameConversation(entry.id, field.value);
+        renderList();
+      };
       field.addEventListener("keydown", (e) => {
         if (e.key === "Enter") done(true);
         if (e.key === "Escape") { e.stopPropagation(); done(false); }
       });
       field.addEventListener("blur", () => done(true));
       open.replaceWith(field);
+      renaming = true;
       field.focus(); field.select();
     });
     const remove = button("✕", "link delete", "Delete " + entry.title, () => {
@@ -117,10 +186,6 @@ function renderList() {
     li.append(open, rename, remove);
     list.append(li);
   }
-}
-function matches(id, query) {
-  const c = id === conv?.id ? conv : store.get("conversation." + id, null);
-  return !!c && Object.values(c.nodes).some((n) => n.content?.toLowerCase().includes(query));
 }
 
 // ---- the messages ----------------------------------------------------------------------------------------------
@@ -134,11 +199,14 @@ function render() {
   if (!path.length) log.innerHTML = '<p class="empty">Start a conversation below.</p>';
   path.forEach((node, i) => log.append(messageElement(node, failed(path, i))));
   log.scrollTop = log.scrollHeight;
+  setBusy(streaming());
 }
 
-function messageElement(node, isFailed, streaming = false) {
+function messageElement(node, isFailed) {
+  const streaming = !!node.streaming; // here, or in another tab
   const div = document.createElement("div");
   div.className = `msg ${node.role}${node.role === "error" ? " error" : ""}${isFailed ? " failed" : ""}`;
+  if (node.interrupted) div.classList.add("interrupted");
   div.dataset.id = node.id;
   const role = Object.assign(document.createElement("div"), { className: "role", textContent: node.role });
   div.append(role);
@@ -168,7 +236,8 @@ function messageElement(node, isFailed, streaming = false) {
     body.textContent = node.content;
   }
   div.append(body);
-  if (node.stats) div.append(Object.assign(document.createElement("div"), { className: "meta", textContent: statsText(node.stats) }));
+  const meta = [node.stats ? statsText(node.stats) : "", node.interrupted ? "interrupted" : ""].filter(Boolean).join(" · ");
+  if (meta) div.append(Object.assign(document.createElement("div"), { className: "meta", textContent: meta }));
   if (!streaming) div.append(actionsElement(node));
   return div;
 }
@@ -191,6 +260,7 @@ function statsText(s) {
   if (s.ttft_ms !== undefined) parts.push(`first token ${Math.round(s.ttft_ms)} ms`);
   if (s.prompt_tokens !== undefined) parts.push(`prompt ${s.prompt_tokens} tokens`);
   if (s.stopped) parts.push("stopped");
+  if (s.edited) parts.push("edited");
   return parts.join(" · ");
 }
 
@@ -213,7 +283,7 @@ function actionsElement(node) {
 }
 
 function editMessage(node) {
-  if (controller) return;
+  if (streaming()) return;
   const div = $("log").querySelector(`[data-id="${node.id}"]`);
   const box = Object.assign(document.createElement("textarea"), { className: "edit-box", value: node.content });
   box.setAttribute("aria-label", "Edit the message");
@@ -222,7 +292,12 @@ function editMessage(node) {
     if (node.role === "user") { // a new sibling: the old message and its answers stay reachable
       const edited = addNode(conv, node.parent, { role: "user", content: box.value, ...(node.images ? { images: node.images } : {}) });
       generate(edited.id);
-    } else { node.content = box.value; saveConversation(); render(); }
+    } else { // a new alternative too, with its own (no) stats: the answer it replaces stays reachable
+      addNode(conv, node.parent, { role: "assistant", content: box.value, model: node.model, stats: { edited: true },
+                                   ...(node.reasoning ? { reasoning: node.reasoning } : {}),
+                                   ...(node.tools ? { tools: structuredClone(node.tools) } : {}) });
+      saveConversation(); render();
+    }
   };
   bar.append(button(node.role === "user" ? "Send" : "Save", "save-edit", "Save the edit", save),
              button("Cancel", "link cancel-edit", "Cancel the edit", render));
@@ -236,7 +311,7 @@ function editMessage(node) {
 }
 
 function regenerate(node) {
-  if (controller) return;
+  if (streaming()) return;
   let parent = node.parent; // the user message this answers
   while (parent !== "root" && conv.nodes[parent].role !== "user") parent = conv.nodes[parent].parent;
   if (parent !== "root") generate(parent);
@@ -252,9 +327,10 @@ async function errorText(response) {
   try { const body = await response.json(); return `${response.status}: ${body.error?.message ?? JSON.stringify(body)}`; }
   catch { return `${response.status} ${response.statusText}`; }
 }
-function showNotice(text) {
-  const div = Object.assign(document.createElement("div"), { className: "msg error notice" });
-  div.append(Object.assign(document.createElement("div"), { className: "role", textContent: "error" }),
+function showNotice(text, error = true) {
+  const div = Object.assign(document.createElement("div"), { className: `msg notice${error ? " error" : ""}` });
+  div.setAttribute("role", error ? "alert" : "status");
+  div.append(Object.assign(document.createElement("div"), { className: "role", textContent: error ? "error" : "note" }),
              Object.assign(document.createElement("div"), { className: "body", textContent: text }));
   $("log").append(div);
 }
@@ -265,14 +341,15 @@ function apiContent(m) {
   const parts = m.images.map((url) => ({ type: "image_url", image_url: { url } }));
   return m.content ? [...parts, { type: "text", text: m.content }] : parts;
 }
-function apiMessages(upTo) {
+function apiMessages(c, upTo) {
   const messages = [];
   if ($("system").value.trim()) messages.push({ role: "system", content: $("system").value.trim() });
-  const path = pathOf(conv, upTo);
+  const path = pathOf(c, upTo);
   path.forEach((m, i) => { // a turn refused once (too long, say) is not sent again, nor its error
     if (m.role === "error" || failed(path, i)) return;
-    if (m.role === "assistant") messages.push({ role: "assistant", content: splitThinking(m.content).answer });
-    else messages.push({ role: m.role, content: apiContent(m) });
+    if (m.role !== "assistant") { messages.push({ role: m.role, content: apiContent(m) }); return; }
+    const answer = splitThinking(m.content).answer; // an interrupted answer goes as far as it got, an empty one not at all
+    if (answer.trim()) messages.push({ role: "assistant", content: answer });
   });
   return messages;
 }
@@ -289,23 +366,27 @@ function requestBody(messages) {
   return body;
 }
 
-// Streams an answer to the message `parentId` into a new assistant node under it.
+// Streams an answer to the message `parentId` into a new assistant node under it, saved every 500 ms as it
+// comes (`streaming` names this tab until it ends), in its conversation whichever one is open.
 async function generate(parentId) {
   const c = conv;
-  const node = addNode(c, parentId, { role: "assistant", content: "", model: $("model").value });
-  const messages = apiMessages(parentId);
-  saveConversation(c); // the question survives a reload while the answer streams
+  const node = addNode(c, parentId, { role: "assistant", content: "", model: $("model").value, streaming: TAB });
+  const messages = apiMessages(c, parentId);
+  const controller = new AbortController();
+  streams.set(c.id, { conv: c, controller });
+  let saved = 0;
+  const saveProgress = () => { saved = performance.now(); node.streamedAt = Date.now(); saveConversation(c); };
+  saveProgress(); // the question survives a reload while the answer streams
+  const saver = setInterval(saveProgress, 500);
   render();
-  controller = new AbortController();
-  setBusy(true);
   const started = performance.now();
   let first = null, chunks = 0, usage = null, pending = null;
   const update = () => {
     pending = null;
-    const old = $("log").querySelector(`[data-id="${node.id}"]`);
+    const old = conv === c && $("log").querySelector(`[data-id="${node.id}"]`);
     if (!old) return;
     const follow = nearBottom();
-    old.replaceWith(messageElement(node, false, true));
+    old.replaceWith(messageElement(node, false));
     if (follow) $("log").scrollTop = $("log").scrollHeight;
   };
   try {
@@ -343,6 +424,7 @@ async function generate(parentId) {
         }
         pending ??= setTimeout(update, 40);
       }
+      if (performance.now() - saved >= 500) saveProgress(); // timers are slowed in a hidden tab; tokens are not
     }
   } catch (e) {
     if (e.name !== "AbortError") {
@@ -351,7 +433,9 @@ async function generate(parentId) {
       addNode(c, partial ? node.id : parentId, { role: "error", content: e.message });
     }
   } finally {
-    clearTimeout(pending);
+    clearInterval(saver); clearTimeout(pending);
+    delete node.streaming; delete node.streamedAt;
+    streams.delete(c.id);
     const ended = performance.now();
     if (c.nodes[node.id]) {
       if (!node.content && !node.reasoning && !node.tools) removeNode(c, node.id); // stopped before a token
@@ -364,8 +448,6 @@ async function generate(parentId) {
                        ttft_ms: first !== null ? first - started : undefined, tokens_per_s: tokensPerS, stopped: !usage };
       }
     }
-    controller = null;
-    setBusy(false);
     saveConversation(c);
     if (conv === c) render();
   }
@@ -379,7 +461,7 @@ function setBusy(busy) {
 
 function send() {
   const text = $("input").value.trim();
-  if ((!text && !attachments.length) || controller) return;
+  if ((!text && !attachments.length) || streaming()) return;
   const user = addNode(conv, conv.current, { role: "user", content: text, ...(attachments.length ? { images: attachments } : {}) });
   if (conv.title === "New conversation") conv.title = (text || "Images").replace(/\s+/g, " ").slice(0, 60);
   $("input").value = ""; attachments = []; showAttachments();
@@ -497,8 +579,11 @@ $("open-settings").addEventListener("click", () => $("settings").showModal());
 renderPresets();
 
 // ---- import and export -------------------------------------------------------------------------------------------
-$("export").addEventListener("click", () => {
-  const all = conversations.map((e) => (e.id === conv.id ? conv : store.get("conversation." + e.id, null))).filter(Boolean);
+$("export").addEventListener("click", async () => {
+  let stored;
+  try { stored = new Map((await conversationStore.all()).map((c) => [c.id, c])); }
+  catch (e) { showNotice("Could not export: " + e.message); return; }
+  const all = conversations.map((e) => streams.get(e.id)?.conv ?? stored.get(e.id)).filter(Boolean);
   const file = new Blob([JSON.stringify({ format: "heteroserve-chat", version: 1, conversations: all }, null, 1)], { type: "application/json" });
   const a = Object.assign(document.createElement("a"), { href: URL.createObjectURL(file), download: "heteroserve-conversations.json" });
   a.click();
@@ -509,10 +594,21 @@ $("import-file").addEventListener("change", async (e) => {
   const file = e.target.files[0];
   e.target.value = "";
   if (!file) return;
-  try {
-    const imported = importedConversations(JSON.parse(await file.text()));
-    for (const c of imported.reverse()) saveConversation(c);
-    openConversation(imported.at(-1).id);
+  try { // a conversation already here (the same id) is skipped: importing a file twice adds nothing
+    const imported = importedConversations(JSON.parse(await file.text())).filter((c) => !isEmpty(c));
+    const now = Date.now();
+    imported.forEach((c, i) => { c.updated = now - i; }); // listed in the file's order
+    const added = new Set(await conversationStore.addMissing(imported));
+    for (const c of imported.filter((c) => added.has(c.id))) {
+      showInList(entryOf(c));
+      channel.postMessage({ type: "saved", id: c.id });
+    }
+    renderList();
+    const first = imported.find((c) => added.has(c.id));
+    if (first) await openConversation(first.id);
+    const skipped = imported.length - added.size;
+    const plural = (n) => `${n} conversation${n === 1 ? "" : "s"}`;
+    showNotice(`Imported ${plural(added.size)} from ${file.name}` + (skipped ? `; skipped ${plural(skipped)} already here.` : "."), false);
   } catch (err) { showNotice("Could not import " + file.name + ": " + err.message); }
 });
 
@@ -550,26 +646,33 @@ $("composer").addEventListener("submit", (e) => { e.preventDefault(); send(); })
 $("input").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey && !e.isComposing) { e.preventDefault(); $("composer").requestSubmit(); }
 });
-$("stop").addEventListener("click", () => controller?.abort());
+function stop() { // the answer streaming in the open conversation, in this tab or another
+  if (streams.has(conv?.id)) streams.get(conv.id).controller.abort();
+  else if (conv) channel.postMessage({ type: "stop", id: conv.id });
+}
+$("stop").addEventListener("click", stop);
 $("new-chat").addEventListener("click", startConversation);
 $("search").addEventListener("input", renderList);
 document.addEventListener("keydown", (e) => {
-  if (e.key === "Escape" && controller) { e.preventDefault(); controller.abort(); }
+  if (e.key === "Escape" && streaming()) { e.preventDefault(); stop(); }
   else if (e.key === "Escape" && document.body.classList.contains("sidebar-open")) setSidebarOpen(false);
   else if ((e.ctrlKey || e.metaKey) && e.shiftKey && e.key.toLowerCase() === "o") { e.preventDefault(); startConversation(); }
 });
 
 // ---- start -------------------------------------------------------------------------------------------------------
-(function start() {
-  const legacy = store.get("history", null); // the single conversation of the page before conversation lists
-  if (Array.isArray(legacy) && legacy.length) {
-    const [c] = importedConversations({ title: "Earlier conversation", messages: legacy });
-    saveConversation(c);
-  }
-  store.remove("history");
-  const current = store.get("current", null);
-  if (current && conversations.some((e) => e.id === current)) openConversation(current);
-  else if (conversations.length) openConversation(conversations[0].id);
-  else startConversation();
+(async function start() {
+  try {
+    await migrateLocalStorage(); // the conversations of the page before IndexedDB, once
+    const legacy = store.get("history", null); // the single conversation of the page before conversation lists
+    if (Array.isArray(legacy) && legacy.length) {
+      await conversationStore.addMissing(importedConversations({ title: "Earlier conversation", messages: legacy }));
+    }
+    store.remove("history");
+    conversations = (await conversationStore.all()).map(entryOf).sort((a, b) => b.updated - a.updated);
+  } catch (e) { showNotice("Could not read the saved conversations: " + e.message); }
+  // A reload reopens this tab's conversation; a new tab the one last opened in any.
+  const current = [sessionStorage.getItem("heteroserve.current"), store.get("current", null)]
+    .find((id) => conversations.some((e) => e.id === id));
+  if (current) await openConversation(current); else openNewest();
   loadModels();
 })();

@@ -1,5 +1,6 @@
 // Conversations as trees: a message's children are its alternatives (edits of a question, regenerated answers),
-// `active` is the child on the path shown, `current` the last message of that path. Kept in localStorage.
+// `active` is the child on the path shown, `current` the last message of that path. The conversations are kept in
+// IndexedDB (storage.js); `store` keeps the page's settings in localStorage.
 export const store = {
   get(key, fallback) {
     try { return JSON.parse(localStorage.getItem("heteroserve." + key)) ?? fallback; } catch { return fallback; }
@@ -40,12 +41,15 @@ export function pathOf(conv, id = conv.current) {
 }
 // A question refused (too long, say) is shown dimmed and never sent again, nor its error.
 export const failed = (path, i) => path[i].role === "user" && path[i + 1]?.role === "error";
+export const isEmpty = (conv) => conv.nodes.root.children.length === 0;
 
 // Takes our export, one exported conversation, or a plain {title, messages: [{role, content}]} (OpenAI's shape).
+// A conversation keeps its id, so importing it again can be recognised.
 export function importedConversations(data) {
   const items = Array.isArray(data) ? data : Array.isArray(data?.conversations) ? data.conversations : [data];
   return items.map((item) => {
     const c = newConversation();
+    if (typeof item?.id === "string" && item.id) c.id = item.id.slice(0, 64);
     c.title = String(item?.title ?? "Imported conversation").slice(0, 120);
     if (item?.nodes?.root) {
       const walk = (from, to) => {
@@ -83,5 +87,6 @@ function cleanMessage(m) {
     }));
   }
   if (m.stats && typeof m.stats === "object") out.stats = m.stats;
+  if (m.interrupted || m.streaming) out.interrupted = true; // exported while it streamed
   return out;
 }

@@ -19,7 +19,7 @@ def test_every_referenced_asset_is_in_the_package():
     fonts = re.findall(r"url\(fonts/([^)]+)\)", web.asset("vendor/katex.min.css")[0].decode())
     assert fonts and all(f.endswith(".woff2") for f in fonts)
     modules = re.findall(r'from "\./([^"]+)"', web.asset("app.js")[0].decode())
-    assert set(modules) == {"markdown.js", "conversations.js"}
+    assert set(modules) == {"markdown.js", "conversations.js", "storage.js"}
     for path in referenced + modules + [f"vendor/fonts/{f}" for f in fonts]:
         assert web.asset(path) is not None, path
     licences = files(web).joinpath("vendor", "licenses")

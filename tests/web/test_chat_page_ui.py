@@ -8,7 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import needs_chromium
+
+expect = pytest.importorskip("playwright.sync_api").expect
 
 ARTIFACTS = Path(__file__).parents[1] / "artifacts"
 QUESTION = "What is the capital of France?"
@@ -137,15 +141,16 @@ def test_conversations_streaming_and_alternatives_at_1280(browser, server):
     wait_idle(page, 1)
     titles = page.locator("#conversations .open").all_inner_texts()
     assert titles == ["Hi!", QUESTION]
-    page.locator("#conversations .open", has_text=QUESTION).click()
-    assert bodies(page, "assistant")[0] == ANSWER and page.locator(".msg").count() == 4
+    page.locator("#conversations .open", has_text=QUESTION).click()  # read from IndexedDB: wait for it
+    expect(page.locator(".msg.assistant .body").first).to_have_text(ANSWER)
+    assert page.locator(".msg").count() == 4
 
     page.reload()  # both kept in the browser, the open one still open
     page.wait_for_function("document.querySelectorAll('#model option').length > 0")
     assert page.locator("#conversations .open").all_inner_texts() == ["Hi!", QUESTION]
     assert bodies(page, "assistant")[0] == ANSWER and page.locator(".msg").count() == 4
     page.locator("#conversations .open", has_text="Hi!").click()
-    assert bodies(page, "user") == ["Hi!"]
+    expect(page.locator(".msg.user .body")).to_have_text(["Hi!"])
 
     page.locator("#conversations .rename").first.click()  # rename, search (titles and messages), export, delete
     page.fill("#conversations input", "Greeting")
@@ -162,7 +167,7 @@ def test_conversations_streaming_and_alternatives_at_1280(browser, server):
     page.locator("#conversations .delete").first.click()
     page.locator("#conversations .delete.armed").click()  # a second click deletes
     assert page.locator("#conversations .open").all_inner_texts() == [QUESTION]
-    assert bodies(page, "user")[0] == QUESTION
+    expect(page.locator(".msg.user .body").first).to_have_text(QUESTION)
     assert errors == []
     context.close()
 
