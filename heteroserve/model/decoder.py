@@ -135,7 +135,9 @@ class Attention(nn.Module):
         if self.spec.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.score_modifiers())
+        modifiers = self.score_modifiers()  # passed only where the layer has some: a backend may not take them
+        extra = {} if modifiers is None else {"modifiers": modifiers}
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **extra)
         out = out.flatten(1)
         y = self.linear(out, self.o_proj)
         if lora is not None:

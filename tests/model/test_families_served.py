@@ -10,11 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import torch
 
 from tests.entrypoints.server_process import ServerProcess
 from tests.model.test_architectures import REMOTE_CODE
-from tests.model.tiny_models import LOGIT_RTOL, TinyModel, as_reference, build_hf_model, prompts, save_tiny
+from tests.model.tiny_models import TinyModel, as_reference, build_hf_model, check_served_choice, prompts, save_tiny
 
 # The families beyond Llama, Mistral and Qwen2/3 (whose server paths the rest of the suite covers).
 FAMILIES = ["gemma", "gemma2", "gemma3", "phi3", "glm", "glm4", "ernie4_5", "smollm3", "granite", "olmo2"]
@@ -62,11 +61,4 @@ def test_family_through_the_server(name, served, greedy_comparison):
         logprobs=1,
         extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
     )
-    choice = response.choices[0]
-    tokens = [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
-    assert len(tokens) == NEW_TOKENS, choice
-    greedy_comparison.check(f"{name} served", tokens, tiny.reference.greedy(prompt, NEW_TOKENS))
-    logits = tiny.reference.logits(prompt + tokens[:-1])[len(prompt) - 1 :]
-    expected = torch.log_softmax(logits, -1)[torch.arange(NEW_TOKENS), torch.tensor(tokens)]
-    error = (torch.tensor(choice.logprobs.token_logprobs) - expected).abs().max()
-    assert error <= LOGIT_RTOL * logits.abs().max(), f"{name}: served logprobs differ by {error:.2e}"
+    check_served_choice(f"{name} served", response.choices[0], prompt, tiny, NEW_TOKENS, greedy_comparison)

@@ -13,10 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import torch
 
 from tests.entrypoints.server_process import ServerProcess
-from tests.model.tiny_models import LOGIT_RTOL, TinyModel, prompts, save_tiny
+from tests.model.tiny_models import TinyModel, check_served_choice, prompts, save_tiny
 
 MOE_FAMILIES = [
     "mixtral",
@@ -79,13 +78,7 @@ def test_moe_family_through_the_server(name, served, greedy_comparison):
     complete(token_prompts[:1])  # fills the prefix cache with the shared blocks
     choices = sorted(complete(token_prompts).choices, key=lambda c: c.index)  # one request: scheduled together
     for i, (prompt, choice) in enumerate(zip(token_prompts, choices, strict=True)):
-        tokens = [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
-        assert len(tokens) == NEW_TOKENS, choice
-        greedy_comparison.check(f"{name} served[{i}]", tokens, tiny.reference.greedy(prompt, NEW_TOKENS))
-        logits = tiny.reference.logits(prompt + tokens[:-1])[len(prompt) - 1 :]
-        expected = torch.log_softmax(logits, -1)[torch.arange(NEW_TOKENS), torch.tensor(tokens)]
-        error = (torch.tensor(choice.logprobs.token_logprobs) - expected).abs().max()
-        assert error <= LOGIT_RTOL * logits.abs().max(), f"{name}[{i}]: served logprobs differ by {error:.2e}"
+        check_served_choice(f"{name} served[{i}]", choice, prompt, tiny, NEW_TOKENS, greedy_comparison)
     metrics = httpx.get(f"{server.base_url}/metrics").text
     assert _counter(metrics, "num_preemptions") > 0
     assert _counter(metrics, "gpu_prefix_cache_hits") >= 16

@@ -436,3 +436,15 @@ def check_output(
     )
     comparison.check(label, ours, reference.greedy(prompt, max_tokens))
     return error / scale
+
+
+def check_served_choice(label: str, choice, prompt: list[int], tiny: TinyModel, new_tokens: int, comparison) -> None:
+    """A completion choice (greedy, `logprobs=1`, tokens as ids) against transformers: its tokens up to a near-tie
+    divergence, their logprobs within LOGIT_RTOL of the logit scale."""
+    tokens = [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+    assert len(tokens) == new_tokens, choice
+    comparison.check(label, tokens, tiny.reference.greedy(prompt, new_tokens))
+    logits = tiny.reference.logits(prompt + tokens[:-1])[len(prompt) - 1 :]
+    expected = torch.log_softmax(logits, -1)[torch.arange(new_tokens), torch.tensor(tokens)]
+    error = (torch.tensor(choice.logprobs.token_logprobs) - expected).abs().max()
+    assert error <= LOGIT_RTOL * logits.abs().max(), f"{label}: served logprobs differ by {error:.2e}"
