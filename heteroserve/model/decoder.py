@@ -20,6 +20,7 @@ from transformers import PretrainedConfig
 from heteroserve.distributed.parallel_state import ParallelGroups
 from heteroserve.model.arch import ROTARY_GLOBAL, LayerSpec, ModelArch
 from heteroserve.model.layers.norm import RMSNorm
+from heteroserve.model.layers.parameters import empty_vector, empty_weight
 from heteroserve.model.layers.rotary import MRotaryEmbedding, RotaryEmbedding, rotary_embedding
 from heteroserve.model.mla import LatentAttention
 from heteroserve.model.moe import MoEBlock
@@ -66,14 +67,6 @@ def stored_weight_bytes(model: nn.Module) -> int:
     return sum(dict(_storage(t) for t in tensors).values())
 
 
-def _weight(rows: int, cols: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(rows, cols), requires_grad=False)
-
-
-def _vector(size: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(size), requires_grad=False)
-
-
 class Attention(nn.Module):
     def __init__(
         self,
@@ -94,17 +87,17 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = _weight(self.q_size + 2 * self.kv_size, arch.hidden_size)
-        self.qkv_bias = _vector(self.q_size + 2 * self.kv_size) if spec.qkv_bias else None
-        self.o_proj = _weight(arch.hidden_size, self.q_size)
-        self.o_bias = _vector(arch.hidden_size) if spec.o_bias else None
+        self.qkv_proj = empty_weight(self.q_size + 2 * self.kv_size, arch.hidden_size)
+        self.qkv_bias = empty_vector(self.q_size + 2 * self.kv_size) if spec.qkv_bias else None
+        self.o_proj = empty_weight(arch.hidden_size, self.q_size)
+        self.o_bias = empty_vector(arch.hidden_size) if spec.o_bias else None
         q_norm_size, k_norm_size = {"head": (self.head_dim,) * 2, "projection": (self.q_size, self.kv_size)}.get(
             spec.qk_norm, (0, 0)
         )
         self.q_norm = RMSNorm(q_norm_size, arch.rms_norm_eps, ops) if spec.qk_norm else None
         self.k_norm = RMSNorm(k_norm_size, arch.rms_norm_eps, ops) if spec.qk_norm else None
         self.scale = arch.attn_scale
-        self.sinks = _vector(self.num_heads) if spec.attn_sinks else None
+        self.sinks = empty_vector(self.num_heads) if spec.attn_sinks else None
         modified = [name for name, on in (("logit soft-capping", spec.attn_softcap), ("sinks", spec.attn_sinks)) if on]
         if modified and not backend.implements_score_modifiers:
             raise ValueError(
@@ -181,10 +174,10 @@ class DecoderLayer(nn.Module):
         if not dense and spec.mlp_bias:
             raise ValueError(f"layer {index}: a mixture-of-experts MLP with biases is not implemented")
         self.moe = None if dense else MoEBlock(spec.moe, h, ops, self.activation)
-        self.gate_up_proj = _weight(2 * arch.intermediate_size, h) if dense else None
-        self.gate_up_bias = _vector(2 * arch.intermediate_size) if spec.mlp_bias else None
-        self.down_proj = _weight(h, arch.intermediate_size) if dense else None
-        self.down_bias = _vector(h) if spec.mlp_bias else None
+        self.gate_up_proj = empty_weight(2 * arch.intermediate_size, h) if dense else None
+        self.gate_up_bias = empty_vector(2 * arch.intermediate_size) if spec.mlp_bias else None
+        self.down_proj = empty_weight(h, arch.intermediate_size) if dense else None
+        self.down_bias = empty_vector(h) if spec.mlp_bias else None
         self.fused_decode: FusedDecodeLayer | None = None  # the platform's one-call layer for decode-only steps
 
     def fuse_for_decode(self, rotary: RotaryEmbedding, tp_size: int) -> None:
@@ -273,7 +266,9 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.ops)
         self.has_lm_head = lm_head
-        self.lm_head = None if arch.tie_word_embeddings or not lm_head else _weight(arch.vocab_size, arch.hidden_size)
+        self.lm_head = (
+            None if arch.tie_word_embeddings or not lm_head else empty_weight(arch.vocab_size, arch.hidden_size)
+        )
         text_config = hf_config.get_text_config()
         self.rotaries = nn.ModuleDict(
             {
@@ -291,13 +286,14 @@ class DecoderModel(nn.Module):
                 (layer, "gate_up_proj"),
                 (layer, "down_proj"),
             ]
+            if layer.moe is not None:
+                projections += [(layer.moe, "shared_gate_up"), (layer.moe, "shared_down")]
+                layer.moe.prepare_experts(self.linear.prepare)
             for owner, name in projections:
                 if getattr(owner, name) is not None:
                     self._prepare(owner, name, getattr(owner, name))
             if isinstance(attn, LatentAttention):
                 attn.absorb()
-            if layer.moe is not None:
-                layer.moe.prepare_weights(self.linear.prepare)
         if self.has_lm_head:
             head = self.embed_tokens if self.lm_head is None else self.lm_head
             # A tied head gets its own prepared copy: the embedding lookup needs the plain layout.

@@ -17,12 +17,9 @@ from torch import nn
 from heteroserve.distributed.parallel_state import ParallelGroups
 from heteroserve.model.arch import LayerSpec, ModelArch
 from heteroserve.model.layers.norm import RMSNorm
+from heteroserve.model.layers.parameters import empty_weight
 from heteroserve.platforms.attention import AttentionBackend
 from heteroserve.platforms.operators import OperatorTable
-
-
-def _weight(rows: int, cols: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(rows, cols), requires_grad=False)
 
 
 class LatentAttention(nn.Module):
@@ -54,15 +51,15 @@ class LatentAttention(nn.Module):
         h, heads = arch.hidden_size, arch.num_heads
         qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         if mla.q_lora_rank is None:
-            self.q_proj = _weight(heads * qk_dim, h)
+            self.q_proj = empty_weight(heads * qk_dim, h)
         else:
-            self.q_a_proj = _weight(mla.q_lora_rank, h)
+            self.q_a_proj = empty_weight(mla.q_lora_rank, h)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, arch.rms_norm_eps, ops)
-            self.q_b_proj = _weight(heads * qk_dim, mla.q_lora_rank)
-        self.kv_a_proj = _weight(mla.kv_lora_rank + mla.qk_rope_head_dim, h)
+            self.q_b_proj = empty_weight(heads * qk_dim, mla.q_lora_rank)
+        self.kv_a_proj = empty_weight(mla.kv_lora_rank + mla.qk_rope_head_dim, h)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, arch.rms_norm_eps, ops)
-        self.kv_b_proj = _weight(heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)
-        self.o_proj = _weight(h, heads * mla.v_head_dim)
+        self.kv_b_proj = empty_weight(heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)
+        self.o_proj = empty_weight(h, heads * mla.v_head_dim)
         self.w_uk: nn.Parameter | None = None  # [heads, nope, kv_lora_rank]
         self.w_uv: nn.Parameter | None = None  # [heads, v, kv_lora_rank]
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from heteroserve.model.arch import MoESpec
+from heteroserve.model.layers.parameters import empty_vector, empty_weight
 from heteroserve.platforms.operators import OperatorTable
 
 
@@ -46,10 +47,6 @@ def route(
     return weights, ids
 
 
-def _weight(rows: int, cols: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(rows, cols), requires_grad=False)
-
-
 class MoEBlock(nn.Module):
     """The experts of one layer. Expert e's fused gate/up projection is `experts_gate_up[e]` and its down
     projection `experts_down[e]` (plain tensors, or whatever the platform's linear op prepared them into)."""
@@ -60,38 +57,29 @@ class MoEBlock(nn.Module):
         self.linear = ops.linear
         self.activation = activation
         inter = spec.intermediate_size
-        self.router = _weight(spec.num_experts, hidden_size)  # float32: routing is computed in float32
-        self.router_bias = (
-            nn.Parameter(torch.empty(spec.num_experts), requires_grad=False) if spec.router_bias else None
-        )
-        self.correction_bias = (
-            nn.Parameter(torch.empty(spec.num_experts), requires_grad=False) if spec.correction_bias else None
-        )
+        self.router = empty_weight(spec.num_experts, hidden_size)  # float32: routing is computed in float32
+        self.router_bias = empty_vector(spec.num_experts) if spec.router_bias else None
+        self.correction_bias = empty_vector(spec.num_experts) if spec.correction_bias else None
         self.first_expert, last = spec.local_experts or (0, spec.num_experts)
-        self.experts_gate_up: list = [_weight(2 * inter, hidden_size) for _ in range(self.first_expert, last)]
-        self.experts_down: list = [_weight(hidden_size, inter) for _ in range(self.first_expert, last)]
+        self.experts_gate_up: list = [empty_weight(2 * inter, hidden_size) for _ in range(self.first_expert, last)]
+        self.experts_down: list = [empty_weight(hidden_size, inter) for _ in range(self.first_expert, last)]
         biased = range(self.first_expert, last) if spec.expert_bias else range(0)
         self.experts_gate_up_bias: list = [torch.empty(2 * inter) for _ in biased]
         self.experts_down_bias: list = [torch.empty(hidden_size) for _ in biased]
         if spec.swiglu_limit is not None:
             self.activation = functools.partial(clamped_swiglu, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
         shared = spec.shared_intermediate_size
-        self.shared_gate_up = _weight(2 * shared, hidden_size) if shared else None
-        self.shared_down = _weight(hidden_size, shared) if shared else None
-        self.shared_gate = _weight(1, hidden_size) if spec.shared_gate else None
+        self.shared_gate_up = empty_weight(2 * shared, hidden_size) if shared else None
+        self.shared_down = empty_weight(hidden_size, shared) if shared else None
+        self.shared_gate = empty_weight(1, hidden_size) if spec.shared_gate else None
 
-    def prepare_weights(self, prepare) -> None:
-        """Hands every expert's projections (and the shared experts') to the linear kernel once."""
-        self.experts_gate_up = [prepare(_data(w)) for w in self.experts_gate_up]
-        self.experts_down = [prepare(_data(w)) for w in self.experts_down]
-        if self.shared_gate_up is not None:
-            for name in ("shared_gate_up", "shared_down"):
-                prepared = prepare(_data(getattr(self, name)))
-                self._parameters.pop(name, None)
-                setattr(self, name, nn.Parameter(prepared, requires_grad=False) if _is_tensor(prepared) else prepared)
-
-    def expert_weights(self) -> list:
-        return self.experts_gate_up + self.experts_down
+    def prepare_experts(self, prepare) -> None:
+        """Hands every routed expert's projections to the linear kernel once (the shared experts are the layer's
+        projections: DecoderModel.prepare_weights prepares them with the others)."""
+        self.experts_gate_up = [
+            prepare(w.data) if isinstance(w, torch.Tensor) else prepare(w) for w in self.experts_gate_up
+        ]
+        self.experts_down = [prepare(w.data) if isinstance(w, torch.Tensor) else prepare(w) for w in self.experts_down]
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         spec = self.spec
@@ -134,11 +122,3 @@ def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.T
     gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
     return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
-
-
-def _data(weight):
-    return weight.data if isinstance(weight, torch.Tensor) else weight
-
-
-def _is_tensor(weight) -> bool:
-    return isinstance(weight, torch.Tensor)
