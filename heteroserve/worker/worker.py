@@ -19,6 +19,7 @@ from heteroserve.distributed.parallel_state import ParallelGroups, init_parallel
 from heteroserve.model.encoder import EncoderModel
 from heteroserve.model.layers.pooler import PoolerSpec
 from heteroserve.model.loader import load_model
+from heteroserve.model.sharding import check_tensor_parallel
 from heteroserve.platforms import Platform, resolve_platform
 from heteroserve.worker.encoder_runner import EncoderRunner
 from heteroserve.worker.model_runner import ModelRunner, StepResult
@@ -70,6 +71,10 @@ class Worker:
             self.groups = dataclasses.replace(self.groups, expert_parallel=parallel.enable_expert_parallel)
         sharded = self.groups if parallel.world_size > 1 else None
         loaded = load_model(config.model, self.platform, config.device.kernels, sharded)
+        if parallel.enable_expert_parallel and sharded is None:  # on one rank the flag would otherwise do nothing
+            if isinstance(loaded.model, EncoderModel):
+                raise ValueError("--enable-expert-parallel: an encoder has no mixture-of-experts layers")
+            check_tensor_parallel(loaded.model.arch, 1, expert_parallel=True)
         self.platform.assign_threads(loaded.dtype, config.device.kernels)
         self._decoder = StepDecoder()
         if isinstance(loaded.model, EncoderModel):

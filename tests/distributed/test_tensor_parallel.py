@@ -92,8 +92,9 @@ def test_expert_parallel_holds_whole_experts_per_rank(tmp_path, greedy_compariso
         tiny, greedy_comparison, "qwen2_moe ep=2", tensor_parallel_size=2, enable_expert_parallel=True
     )
     dense = save_tiny("qwen2", tmp_path / "dense")
-    with pytest.raises(ValueError, match="--enable-expert-parallel: qwen2 has no mixture-of-experts layers"):
-        dense.llm(tensor_parallel_size=2, enable_expert_parallel=True)
+    for ranks in (2, 1):
+        with pytest.raises(ValueError, match="--enable-expert-parallel: qwen2 has no mixture-of-experts layers"):
+            dense.llm(tensor_parallel_size=ranks, enable_expert_parallel=True)
 
 
 def test_norm_over_all_heads_refuses_tensor_parallelism(tmp_path):
