@@ -63,9 +63,22 @@ def greedy_comparison() -> GreedyComparison:
     return _comparisons
 
 
+SIMULATED_DEVICE_TESTS = "tests/platforms/test_simulated_device.py"
+
+
 def pytest_terminal_summary(terminalreporter):
     if _comparisons.sequences:
         terminalreporter.write_line(_comparisons.summary())
+    reports = [
+        r
+        for outcome in terminalreporter.stats.values()
+        for r in outcome
+        if getattr(r, "nodeid", "").startswith(SIMULATED_DEVICE_TESTS) and hasattr(r, "duration")
+    ]
+    if reports:
+        tests = len({r.nodeid for r in reports})
+        seconds = sum(r.duration for r in reports)
+        terminalreporter.write_line(f"simulated-device suite: {tests} tests in {seconds:.0f} s")
 
 
 @pytest.fixture(scope="session")

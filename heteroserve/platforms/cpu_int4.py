@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from heteroserve.quantization.int4 import Int4Weight
+from heteroserve.quantization.weight import kept_on
 
 BLOCK_ROWS = 64  # output rows per block of the layout
 
@@ -75,3 +76,6 @@ class CpuInt4Weight:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scale_zero))
+
+    def to(self, device: torch.device) -> CpuInt4Weight:
+        return kept_on(self, torch.device("cpu"), device)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from heteroserve.platforms import cpu_kernels
 from heteroserve.quantization.int8 import Int8Weight
+from heteroserve.quantization.weight import kept_on
 
 KERNEL_MAX_ROWS = 16
 
@@ -46,6 +47,9 @@ class CpuInt8Weight:
     @property
     def nbytes(self) -> int:
         return self.weight.nbytes + self.scale_bf16.numel() * self.scale_bf16.element_size()
+
+    def to(self, device: torch.device) -> CpuInt8Weight:
+        return kept_on(self, torch.device("cpu"), device)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.weight.dequantize(dtype)
@@ -81,6 +85,9 @@ class CpuGroupedInt8Weight:
     @property
     def nbytes(self) -> int:
         return self.weight.nbytes
+
+    def to(self, device: torch.device) -> CpuGroupedInt8Weight:
+        return kept_on(self, torch.device("cpu"), device)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.weight.dequantize(dtype)

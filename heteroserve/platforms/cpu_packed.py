@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from heteroserve.platforms import cpu_kernels
+from heteroserve.quantization.weight import kept_on
 
 
 @dataclass
@@ -45,6 +46,9 @@ class CpuPackedWeight:
     @property
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
+
+    def to(self, device: torch.device) -> CpuPackedWeight:
+        return kept_on(self, torch.device("cpu"), device)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         _, k = self.shape

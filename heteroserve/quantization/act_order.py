@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from heteroserve.quantization.weight import CompressedWeight
+from heteroserve.quantization.weight import CompressedWeight, move_tensors
 
 
 @dataclass
@@ -27,6 +27,9 @@ class PermutedInput:
     @property
     def nbytes(self) -> int:
         return self.weight.nbytes + self.order.numel() * self.order.element_size()
+
+    def to(self, device: torch.device) -> PermutedInput:
+        return move_tensors(self, device)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return x.index_select(-1, self.order)

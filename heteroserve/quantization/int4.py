@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from heteroserve.quantization.weight import move_tensors
+
 
 @dataclass
 class Int4Weight:
@@ -40,6 +42,9 @@ class Int4Weight:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.zero))
+
+    def to(self, device: torch.device) -> Int4Weight:
+        return move_tensors(self, device)
 
     def values(self) -> torch.Tensor:
         """The 4-bit integers as uint8 [N, K]."""

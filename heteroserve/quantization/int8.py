@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from heteroserve.quantization.weight import move_tensors
+
 
 @dataclass
 class Int8Weight:
@@ -41,6 +43,9 @@ class Int8Weight:
     def nbytes(self) -> int:
         tensors = (self.q, self.scale) if self.zero is None else (self.q, self.scale, self.zero)
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def to(self, device: torch.device) -> Int8Weight:
+        return move_tensors(self, device)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.rows(slice(None)).to(dtype)

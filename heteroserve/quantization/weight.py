@@ -10,7 +10,8 @@ kernel for a format without editing our dispatch (vLLM's `LinearMethodBase` play
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import dataclasses
+from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -35,6 +36,11 @@ class CompressedWeight(Protocol):
         """x W^T + b, with x [T, K]."""
         ...
 
+    def to(self, device: torch.device) -> CompressedWeight:
+        """The same weight with every tensor it holds on `device` (the loader places each weight where the
+        platform computes, before the platform's packer sees it)."""
+        ...
+
 
 @runtime_checkable
 class ShardableWeight(CompressedWeight, Protocol):
@@ -47,3 +53,23 @@ class ShardableWeight(CompressedWeight, Protocol):
     def slice_columns(self, start: int, end: int) -> ShardableWeight:
         """Input columns [start, end); a ValueError saying why where the format cannot split there."""
         ...
+
+
+Moved = TypeVar("Moved")
+
+
+def move_tensors(weight: Moved, device: torch.device) -> Moved:
+    """A dataclass weight with each of its tensors (and nested weights) on `device`: every format's `to`."""
+    changes = {}
+    for field in dataclasses.fields(weight):
+        value = getattr(weight, field.name)
+        if isinstance(value, torch.Tensor) or (dataclasses.is_dataclass(value) and hasattr(value, "to")):
+            changes[field.name] = value.to(device)
+    return dataclasses.replace(weight, **changes)
+
+
+def kept_on(weight: Moved, home: torch.device, device: torch.device) -> Moved:
+    """`to` of a platform's packed form, which only that platform's kernels read: it stays where it is."""
+    if torch.device(device).type != home.type:
+        raise ValueError(f"{type(weight).__name__} is laid out for {home.type} kernels and cannot move to {device}")
+    return weight

@@ -36,6 +36,7 @@ from heteroserve.model.loader.remote_code_tokenizers import chat_stop_token_ids,
 from heteroserve.model.loader.safetensors_loader import iterate_safetensors
 from heteroserve.model.loader.source import ModelSource, resolve_model
 from heteroserve.model.loader.weights import load_weights, quantize_projections
+from heteroserve.model.placement import place_on
 from heteroserve.model.sharding import ModelShard
 from heteroserve.model.vision.encoder import VisionEncoder
 from heteroserve.model.vision.loading import build_vision_encoder, split_vision_tensors
@@ -149,7 +150,8 @@ def load_model(
     if task != "generate":  # sentence-transformers saves the base model: no "model." prefix, no LM head
         tensors = decoder_pooling_tensors(tensors, score_head)
     load_weights(model, tensors, dtype)
-    model.to(platform.device).eval()
+    place_on(model, platform.device)
+    model.eval()
     model.prepare_weights()
     vision = None
     if hf_config.model_type in VISION_LANGUAGE:
@@ -207,7 +209,8 @@ def _load_encoder(
     tensors = _checkpoint_tensors(source.folder, hf_config, config.quantization, ENCODER_PROJECTIONS)
     model = EncoderModel(arch, ops)
     head = load_encoder_weights(model, tensors, dtype, classifier=task == "score")
-    model.to(platform.device).eval()
+    place_on(model, platform.device)
+    model.eval()
     model.prepare_weights()
     logger.info("weights: %.1f MiB as stored", model.weight_bytes() / 2**20)
     logger.info("kernels on %s: %s", platform.name, ", ".join(f"{k}={v}" for k, v in ops.describe().items()))

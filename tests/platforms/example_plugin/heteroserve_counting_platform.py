@@ -139,6 +139,9 @@ class ExampleInt4Weight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.weight.dequantize(dtype)
 
+    def to(self, device: torch.device) -> ExampleInt4Weight:
+        return ExampleInt4Weight(self.weight.to(device))
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         KERNEL_CALLS["linear.int4"] += 1
         w = self.weight

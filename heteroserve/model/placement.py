@@ -1,0 +1,34 @@
+"""Putting a loaded model where the platform computes.
+
+`nn.Module.to` moves parameters and buffers only; compressed weights (heteroserve.quantization) are plain
+attributes, and a mixture of experts keeps its experts in lists. Placement moves all three, so nothing a step
+reads stays on the host unless the platform keeps it there on purpose.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from heteroserve.quantization.weight import CompressedWeight
+
+
+def place_on(model: nn.Module, device: torch.device) -> None:
+    """Every weight of `model` onto `device`, compressed and listed ones included."""
+    model.to(device)
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, CompressedWeight):
+                setattr(module, name, value.to(device))
+            elif isinstance(value, list) and any(_movable(v) for v in value):
+                setattr(module, name, [_moved(v, device) for v in value])
+
+
+def _movable(value: object) -> bool:
+    return isinstance(value, (torch.Tensor, CompressedWeight))
+
+
+def _moved(value: object, device: torch.device) -> object:
+    if isinstance(value, nn.Parameter):
+        return nn.Parameter(value.data.to(device), requires_grad=False)
+    return value.to(device) if _movable(value) else value
