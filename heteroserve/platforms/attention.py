@@ -103,6 +103,13 @@ class AttentionBackend(ABC):
         cache's dtype) and returns the attention output [T, Hq, D]. modifiers: what the layer does to the scores
         besides scale and mask; only given to a backend that `implements_score_modifiers`."""
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """The shape of one layer's key (or value) cache, which the model runner allocates and `forward` receives.
+        The default is [blocks, block_size, heads, head_size] (slot = block * block_size + offset, the layout the
+        reference operators and the CPU's kernels read); a device whose paged kernels want another layout (heads
+        before the block's tokens, say) returns its own, with num_blocks first."""
+        return (num_blocks, block_size, num_kv_heads, head_size)
+
     def is_decode_only(self, metadata: Any) -> bool:
         """Whether the step holds decode rows only and its metadata is what the platform's fused decode layer
         reads (operators.FusedDecodeLayer); a backend whose metadata it cannot read answers False."""

@@ -45,6 +45,9 @@ class Platform:
     memory_utilization: float = 0.9  # share of device memory the weights plus KV cache may take
     device_index: int | None = None  # set by `bind_rank` when several ranks share a node
     ray_resource: str = "GPU"  # the Ray resource one rank of this device takes (Ray's name for it)
+    # The dotted name of a heteroserve.worker.model_runner.ModelRunner subclass the worker builds for a decoder instead
+    # of ModelRunner: where a device replaces how a step runs (graph capture and replay, its own input buffers).
+    model_runner_class: str | None = None
 
     def __init__(self) -> None:
         self.operator_fallbacks: Counter[str] = Counter()  # calls that ran on the CPU, by operator

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -78,6 +79,7 @@ class ModelRunner:
         self.group_layers = [
             [i for i, spec in enumerate(self.arch.layers) if spec.sliding_window == window] for window in self.windows
         ]
+        self.attn_backend = loaded.model.attn_backend  # lays out each layer's cache (kv_cache_shape)
         budget = None
         if not cache_config.num_kv_blocks:
             budget = platform.kv_cache_budget_bytes(
@@ -87,12 +89,18 @@ class ModelRunner:
             budget, cache_config.num_kv_blocks, loaded.max_model_len, max_num_batched_tokens
         )
         self.num_blocks = self.kv_groups[0].num_blocks  # the full-attention layers' where the model has any
-        # One tensor per group [its layers, 2, blocks, block_size, kv heads, head_dim]; layer i reads its slice. Where
-        # the values are the keys' first dimensions (latent attention), one plane instead of 2, read as both.
+        # One tensor per group [its layers, 2, *the backend's layer shape]; layer i reads its slice. Where the values
+        # are the keys' first dimensions (latent attention), one plane instead of 2, read as both.
         planes = 1 if self.arch.values_in_keys else 2
         self.kv_caches = [
             torch.zeros(
-                (len(layers), planes, group.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim),
+                (
+                    len(layers),
+                    planes,
+                    *self.attn_backend.kv_cache_shape(
+                        group.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim
+                    ),
+                ),
                 dtype=self.cache_dtype,
                 device=self.device,
             )
@@ -103,7 +111,6 @@ class ModelRunner:
         for layers, cache in zip(self.group_layers, self.kv_caches, strict=True):
             for j, i in enumerate(layers):
                 self.layer_caches[i] = (cache[j, 0], cache[j, planes - 1])
-        self.attn_backend = loaded.model.attn_backend
         self.sampler = Sampler(self.model.ops.argmax_rows)
         self.pooler = loaded.pooler  # a decoder serving embeddings: pooled hidden states instead of tokens
         self.images = ImageInputs(loaded.vision, platform) if loaded.vision is not None else None
@@ -118,7 +125,8 @@ class ModelRunner:
         a = self.arch
         layers = a.num_layers if num_layers is None else num_layers
         planes = 1 if a.values_in_keys else 2
-        return planes * layers * self.block_size * a.num_kv_heads * a.head_dim * self.cache_dtype.itemsize
+        block = math.prod(self.attn_backend.kv_cache_shape(1, self.block_size, a.num_kv_heads, a.head_dim))
+        return planes * layers * block * self.cache_dtype.itemsize
 
     def _size_groups(
         self, budget: int | None, num_kv_blocks: int | None, max_model_len: int, max_num_batched_tokens: int

@@ -7,6 +7,7 @@ Every executor (in-process, worker processes, Ray actors) drives the same `Worke
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,7 +82,7 @@ class Worker:
             self.runner = EncoderRunner(loaded, self.platform, config.cache, config.scheduler)
             vocab_size = loaded.model.arch.vocab_size
         else:
-            self.runner = ModelRunner(
+            self.runner = model_runner_class(self.platform)(
                 loaded,
                 self.platform,
                 config.cache,
@@ -133,3 +134,16 @@ class Worker:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def model_runner_class(platform: Platform) -> type[ModelRunner]:
+    """ModelRunner, or the subclass the platform names in `model_runner_class`."""
+    if platform.model_runner_class is None:
+        return ModelRunner
+    module_name, _, class_name = platform.model_runner_class.rpartition(".")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    if not (isinstance(cls, type) and issubclass(cls, ModelRunner)):
+        raise TypeError(
+            f"{platform.name}'s model_runner_class {platform.model_runner_class} is not a ModelRunner subclass"
+        )
+    return cls

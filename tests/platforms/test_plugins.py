@@ -134,17 +134,24 @@ for device in ("cpu", "contiguous"):
         "int4_calls": plugin.KERNEL_CALLS["linear.int4"],
         "attention_calls": plugin.KERNEL_CALLS["attention.forward"],
         "down_proj": type(layer.down_proj).__name__,
+        "layer_cache_shape": list(llm.engine.executor.worker.runner.layer_caches[0][0].shape[1:]),
+        "runner": type(llm.engine.executor.worker.runner).__name__,
+        "runner_steps": plugin.KERNEL_CALLS["runner.execute"],
     }
 print(json.dumps(report))
 """
 
 
 def test_plugin_weight_kernel_runs_the_default_model(plugin_site, default_model_path):
-    """The example plugin's own attention backend and 4-bit kernel give the default model's (Q4_1) greedy tokens,
-    with heteroserve's code untouched: the kernel is registered with the linear op from the plugin."""
+    """The example plugin's own attention backend (its own KV cache layout), 4-bit kernel and model runner give
+    the default model's (Q4_1) greedy tokens, with heteroserve's code untouched: the kernel is registered with the
+    linear op from the plugin, the runner named by the platform."""
     prompts = ["The capital of France is", "def quicksort(arr):\n"]
     report = last_json(run_python(["-c", DEFAULT_MODEL_SCRIPT, json.dumps(prompts)], plugin_site))
     cpu, plugin = report["cpu"], report["contiguous"]
     assert plugin["tokens"] == cpu["tokens"]
     assert cpu["int4_calls"] == 0 and plugin["down_proj"] == "ExampleInt4Weight"
     assert plugin["int4_calls"] > 0 and plugin["attention_calls"] > 0
+    assert (cpu["runner"], plugin["runner"]) == ("ModelRunner", "CountingModelRunner") and plugin["runner_steps"] > 0
+    # [block_size, heads, head_dim] on the CPU; the plugin's backend lays its cache out heads first
+    assert plugin["layer_cache_shape"] == [cpu["layer_cache_shape"][1], cpu["layer_cache_shape"][0], 64]

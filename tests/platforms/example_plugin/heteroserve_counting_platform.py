@@ -25,6 +25,7 @@ from heteroserve.platforms.attention import AttentionBackend, AttentionStep
 from heteroserve.platforms.cpu import CpuPlatform
 from heteroserve.platforms.operators import LinearOp, OperatorTable
 from heteroserve.quantization.int4 import Int4Weight
+from heteroserve.worker.model_runner import ModelRunner
 
 KERNEL_CALLS: Counter[str] = Counter()  # operator -> calls that reached this plugin's kernels
 
@@ -80,9 +81,13 @@ class ContiguousMetadata:
 class ContiguousAttentionBackend(AttentionBackend):
     """Attention a request at a time: its keys and values gathered from the cache into contiguous tensors by
     slot, then one SDPA call. Decodes, drafts and prefill chunks take the same path; a whole prompt attends over
-    its own keys as computed, unrounded by a narrower cache, as the reference does. Its calls are counted."""
+    its own keys as computed, unrounded by a narrower cache, as the reference does. Its cache is laid out heads
+    first, [blocks, heads, block_size, head_size], as some devices' paged kernels want. Its calls are counted."""
 
     name = "contiguous"
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size, head_size)
 
     def build_metadata(self, step: AttentionStep) -> ContiguousMetadata:
         KERNEL_CALLS["attention.build_metadata"] += 1
@@ -103,16 +108,20 @@ class ContiguousAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, metadata: ContiguousMetadata, scale: float) -> torch.Tensor:
         KERNEL_CALLS["attention.forward"] += 1
-        k_slots, v_slots = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # views: writes land in the cache
-        k_slots[metadata.slot_mapping] = k.to(k_cache.dtype)
-        v_slots[metadata.slot_mapping] = v.to(v_cache.dtype)
+        bs = k_cache.shape[2]
+
+        def at(slots: torch.Tensor) -> tuple[torch.Tensor, slice, torch.Tensor]:  # [n, heads, D] through indexing
+            return slots // bs, slice(None), slots % bs
+
+        k_cache[at(metadata.slot_mapping)] = k.to(k_cache.dtype)
+        v_cache[at(metadata.slot_mapping)] = v.to(v_cache.dtype)
         group = q.shape[1] // k.shape[1]
         out = torch.empty_like(q)
         for request in metadata.requests:
             if request.key_slots is None:
                 keys, values = k[request.rows], v[request.rows]
             else:
-                keys, values = k_slots[request.key_slots].to(q.dtype), v_slots[request.key_slots].to(q.dtype)
+                keys, values = k_cache[at(request.key_slots)].to(q.dtype), v_cache[at(request.key_slots)].to(q.dtype)
             keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)
             values = values.repeat_interleave(group, dim=1).transpose(0, 1)
             queries = q[request.rows].transpose(0, 1)
@@ -151,8 +160,18 @@ class ExampleInt4Weight:
         return F.linear(x, dense.flatten(1), bias)
 
 
+class CountingModelRunner(ModelRunner):
+    """The worker's model runner, named by the platform (Platform.model_runner_class): here it counts steps; a
+    device would capture and replay graphs or keep its own input buffers."""
+
+    def execute(self, output):
+        KERNEL_CALLS["runner.execute"] += 1
+        return super().execute(output)
+
+
 class ContiguousPlatform(CountingPlatform):
     name = "contiguous"
+    model_runner_class = f"{__name__}.CountingModelRunner"
 
     def linear_op(self, dtype: torch.dtype, kernels: str = "auto") -> LinearOp:
         op = super().linear_op(dtype, kernels)
