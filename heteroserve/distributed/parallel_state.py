@@ -27,6 +27,9 @@ class ParallelGroups:
     tp_group: object = None  # torch ProcessGroup of this stage's tensor-parallel ranks
     control_group: object = None  # gloo group of all ranks for Python objects (steps, results)
     expert_parallel: bool = False  # MoE layers: each tensor-parallel rank holds whole experts, not slices of all
+    # The backend reduces host tensors only (gloo beside a device without a collective library of its own): each
+    # collective copies the device tensor to the host and back.
+    through_host: bool = False
 
     @property
     def rank(self) -> int:
@@ -56,30 +59,37 @@ class ParallelGroups:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums a row-parallel layer's partial outputs over the stage's tensor ranks."""
         if self.tp_size > 1:
-            dist.all_reduce(x, group=self.tp_group)
+            staged = self._staged(x)
+            dist.all_reduce(staged, group=self.tp_group)
+            if staged is not x:
+                x.copy_(staged)
         return x
+
+    def _staged(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` itself, or its host copy where collectives go through the host."""
+        return x.cpu() if self.through_host and x.device.type != "cpu" else x
 
     def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """Vocabulary-parallel logits [R, shard] -> the full [R, vocab] on the sampling rank, None elsewhere."""
         if self.tp_size == 1:
             return local
         shard = vocab_shard_size(vocab_size, self.tp_size)
-        padded = F.pad(local, (0, shard - local.shape[-1])).contiguous()
+        padded = self._staged(F.pad(local, (0, shard - local.shape[-1])).contiguous())
         dst = self.pp_rank * self.tp_size
         parts = [torch.empty_like(padded) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
         dist.gather(padded, parts, dst=dst, group=self.tp_group)
         if parts is None:
             return None
-        return torch.cat(parts, dim=-1)[..., :vocab_size]
+        return torch.cat(parts, dim=-1)[..., :vocab_size].to(local.device)
 
     def send_hidden(self, x: torch.Tensor) -> None:
         """Hands a stage's output to the same tensor rank of the next stage."""
-        dist.send(x.contiguous(), dst=self.rank + self.tp_size)
+        dist.send(self._staged(x.contiguous()), dst=self.rank + self.tp_size)
 
     def recv_hidden(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        x = torch.empty(shape, dtype=dtype, device=device)
+        x = torch.empty(shape, dtype=dtype, device="cpu" if self.through_host else device)
         dist.recv(x, src=self.rank - self.tp_size)
-        return x
+        return x.to(device)
 
 
 def vocab_shard_size(vocab_size: int, tp_size: int) -> int:
@@ -102,9 +112,16 @@ def layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
 
 
 def init_parallel_groups(
-    rank: int, tp_size: int, pp_size: int, backend: str, master_addr: str, master_port: int
+    rank: int,
+    tp_size: int,
+    pp_size: int,
+    backend: str,
+    master_addr: str,
+    master_port: int,
+    through_host: bool = False,
 ) -> ParallelGroups:
-    """Joins the TCP rendezvous at master_addr:master_port and builds the groups (every rank must call this)."""
+    """Joins the TCP rendezvous at master_addr:master_port and builds the groups (every rank must call this).
+    through_host: the backend takes host tensors only (ParallelGroups.through_host)."""
     world = tp_size * pp_size
     dist.init_process_group(
         backend,
@@ -119,4 +136,6 @@ def init_parallel_groups(
         group = dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size)), timeout=COLLECTIVE_TIMEOUT)
         if rank // tp_size == stage:
             tp_group = group
-    return ParallelGroups(rank % tp_size, tp_size, rank // tp_size, pp_size, tp_group, control)
+    return ParallelGroups(
+        rank % tp_size, tp_size, rank // tp_size, pp_size, tp_group, control, through_host=through_host
+    )

@@ -40,6 +40,9 @@ class Platform:
     name: str = "base"
     device_type: str = "cpu"
     dist_backend: str = "gloo"  # torch.distributed backend for this device's collectives
+    # Whether that backend takes host tensors only (gloo beside a device with no collective library of its own):
+    # then each collective copies the device tensor to the host and back.
+    collectives_through_host: bool = False
     vendor_extension: str | None = None  # the vendor's torch extension distribution (torch_npu, ...)
     unsupported_operators: frozenset[str] = frozenset()  # these run on the CPU (see operators.py)
     memory_utilization: float = 0.9  # share of device memory the weights plus KV cache may take

@@ -11,6 +11,7 @@ class MpsPlatform(Platform):
     name = "mps"
     device_type = "mps"
     dist_backend = "gloo"  # no device collectives on MPS
+    collectives_through_host = True
     ray_resource = "CPU"
 
     @classmethod

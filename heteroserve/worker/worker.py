@@ -68,6 +68,7 @@ class Worker:
                 self.platform.distributed_backend(),
                 master_addr,
                 master_port,
+                self.platform.collectives_through_host,
             )
             self.groups = dataclasses.replace(self.groups, expert_parallel=parallel.enable_expert_parallel)
         sharded = self.groups if parallel.world_size > 1 else None

@@ -204,6 +204,23 @@ def case_awq(device: str, models: Path) -> list[list[int]]:
     return _once(_tiny_llm(models / "awq", device), lambda llm: _tiny_run(llm, _vocab(models / "awq")))
 
 
+class CaseSkipped(Exception):
+    """The machine cannot run the case (one device where it needs two, no default model)."""
+
+
+def case_tiny_float32(device: str, models: Path) -> list[list[int]]:
+    return _once(_tiny_llm(models / "lora-base", device), lambda llm: _tiny_run(llm, _vocab(models / "lora-base")))
+
+
+def case_tensor_parallel(device: str, models: Path) -> list[list[int]]:
+    """Two ranks, each on its own device, through the platform's collectives (the simulated device's go
+    through gloo over host copies)."""
+    if device != "cpu" and torch.get_device_module(device).device_count() < 2:
+        raise CaseSkipped(f"one {device} device; tensor parallelism needs two")
+    llm = _tiny_llm(models / "lora-base", device, tensor_parallel_size=2)
+    return _once(llm, lambda llm: _tiny_run(llm, _vocab(models / "lora-base")))
+
+
 def case_int4_at_load(device: str, models: Path) -> list[list[int]]:
     llm = _tiny_llm(models / "lora-base", device, quantization="int4")
     return _once(llm, lambda llm: _tiny_run(llm, _vocab(models / "lora-base")))
@@ -248,6 +265,8 @@ CASES: dict[str, Callable[[str, Path], list[list[int]]]] = {
     "the README's question": case_readme_question,
     "GPTQ checkpoint": case_gptq,
     "AWQ checkpoint": case_awq,
+    "tiny Qwen2, float32": case_tiny_float32,
+    "tiny Qwen2, tensor parallel 2": case_tensor_parallel,
     "tiny Qwen2, int4 at load": case_int4_at_load,
     "tiny Qwen2, int8 at load": case_int8_at_load,
     "LoRA adapter": case_lora,
@@ -302,6 +321,8 @@ def run_cases(device: str, models: Path, names: list[str]) -> list[dict]:
         else:
             try:
                 result = {"tokens": CASES[name](device, models)}
+            except CaseSkipped as reason:
+                result = {"skipped": str(reason)}
             except Exception as error:  # reported per case; the comparison names it
                 result = {"error": f"{type(error).__name__}: {error}"}
         result.update(case=name, seconds=round(time.perf_counter() - start, 1))

@@ -96,6 +96,11 @@ def test_tokens_equal_the_cpu_platforms(case, on_cpu, on_sim):
     print(f"{case}: {sum(map(len, sim['tokens']))} tokens equal; sim {sim['seconds']} s, cpu {cpu['seconds']} s")
 
 
+def test_tensor_parallel_ranks_give_one_ranks_tokens(on_sim):
+    cases = on_sim[0]
+    assert cases["tiny Qwen2, tensor parallel 2"]["tokens"] == cases["tiny Qwen2, float32"]["tokens"]
+
+
 def test_no_model_tensor_is_read_from_host_memory_in_a_step(on_sim):
     report = on_sim[1]
     assert report, "the suite printed no host-reads report"

@@ -16,7 +16,8 @@ from heteroserve.platforms.interface import Platform
 class SimulatedPlatform(Platform):
     name = "sim"
     device_type = "sim"
-    dist_backend = "gloo"
+    dist_backend = "gloo"  # no collective library of its own: gloo over host copies
+    collectives_through_host = True
     ray_resource = "CPU"
 
     @classmethod
