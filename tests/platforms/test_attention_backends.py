@@ -59,8 +59,18 @@ def _mixed_step(sliding_window: int | None, cache_dtype: torch.dtype, seed: int 
 
 
 def _run(backend: AttentionBackend, step: AttentionStep, tensors) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output and the caches after the step, the caches in the backend's own layout (kv_cache_shape: the
+    reference's, or heads before the block's tokens) while it runs and returned in the reference's."""
     q, k, v, k_cache, v_cache = (t.clone() for t in tensors)
+    blocks = k_cache.shape[0]
+    layout = backend.kv_cache_shape(blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    heads_first = layout == (blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    assert heads_first or layout == tuple(k_cache.shape), layout
+    if heads_first:
+        k_cache, v_cache = (c.transpose(1, 2).contiguous() for c in (k_cache, v_cache))
     out = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(step), HEAD_DIM**-0.5)
+    if heads_first:
+        k_cache, v_cache = (c.transpose(1, 2) for c in (k_cache, v_cache))
     return out, k_cache, v_cache
 
 
