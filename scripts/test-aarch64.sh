@@ -77,7 +77,7 @@ in_root python -c "import torch, platform; print('torch', torch.__version__, pla
 'cuda', torch.version.cuda, 'capability', torch.backends.cpu.get_cpu_capability())"
 
 step "C++ kernels built here (g++, NEON through GCC vector extensions); one OpenMP runtime in the process"
-in_root python -c "import torch; from heteroserve.platforms import cpu_kernels as k; \
+in_root python -c "import torch; from heteroserve.platforms.cpu import kernels as k; \
 assert k.load_library(), 'the C++ kernels did not build'; print('cpp kernels:', k.loaded_build()); \
 r = {l.split()[-1] for l in open('/proc/self/maps') if 'gomp' in l or 'iomp5' in l}; \
 print('OpenMP runtimes loaded:', sorted(r)); assert len(r) <= 1, r"

@@ -23,7 +23,7 @@ import torch
 from heteroserve.bench.machine import describe_machine
 from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.engine.llm_engine import LLMEngine
-from heteroserve.platforms.cpu import process_threads, torch_at_process_threads
+from heteroserve.platforms.cpu.platform import process_threads, torch_at_process_threads
 from heteroserve.pooling_params import PoolingParams
 
 VOCABULARY_WORDS = 2000

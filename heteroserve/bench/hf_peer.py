@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from heteroserve.model.loader.source import ModelSource
-from heteroserve.platforms.cpu import torch_at_process_threads
+from heteroserve.platforms.cpu.platform import torch_at_process_threads
 
 Requests = list[tuple[list[int], int]]
 

@@ -15,7 +15,7 @@ import torch
 from heteroserve.bench.gguf_float import float_gguf
 from heteroserve.bench.hf_peer import PeerRun, Requests
 from heteroserve.model.loader.source import ModelSource
-from heteroserve.platforms.cpu import process_threads
+from heteroserve.platforms.cpu.platform import process_threads
 
 
 def llama_cpp_missing() -> str | None:

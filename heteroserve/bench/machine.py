@@ -6,7 +6,7 @@ import os
 import platform
 
 from heteroserve.platforms import Platform
-from heteroserve.platforms.cpu import process_threads
+from heteroserve.platforms.cpu.platform import process_threads
 
 
 def describe_machine(device_platform: Platform) -> dict[str, object]:

@@ -1,6 +1,6 @@
 """`heteroserve bench threads`: scenario A under each OpenMP wait policy, and beside a second engine.
 
-The engine's C++ kernels run on a thread pool of their own (platforms/csrc/thread_pool.h), so OpenMP's variables
+The engine's C++ kernels run on a thread pool of their own (platforms/cpu/csrc/thread_pool.h), so OpenMP's variables
 should not move its speed; and an idle or waiting engine should leave the cores to a neighbour (the test suite
 runs a server beside the test process; two OpenMP processes that spin on 2 cores slowed each other ~10x). Each
 setting is a fresh `heteroserve bench latency` process, the settings alternate over the rounds (this machine's

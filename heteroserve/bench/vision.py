@@ -17,7 +17,7 @@ from PIL import Image
 
 from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.engine.llm_engine import LLMEngine
-from heteroserve.platforms.cpu import process_threads, torch_at_process_threads
+from heteroserve.platforms.cpu.platform import process_threads, torch_at_process_threads
 from heteroserve.sampling_params import RequestOutputKind, SamplingParams
 
 QUESTION = "Describe this image."

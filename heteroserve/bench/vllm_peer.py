@@ -17,7 +17,7 @@ import torch
 
 from heteroserve.bench.hf_peer import PeerRun, Requests
 from heteroserve.bench.serve import OwnServer
-from heteroserve.platforms.cpu import process_threads
+from heteroserve.platforms.cpu.platform import process_threads
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 KV_CACHE_GIB = 4  # VLLM_CPU_KVCACHE_SPACE: vLLM's CPU KV cache, in GiB, as peers.md's runs had it

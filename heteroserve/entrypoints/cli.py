@@ -40,7 +40,8 @@ def _env(args: argparse.Namespace) -> None:
 def _build_kernels(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from heteroserve.platforms import cpu_kernel_variants, cpu_kernels
+    from heteroserve.platforms.cpu import kernel_variants as cpu_kernel_variants
+    from heteroserve.platforms.cpu import kernels as cpu_kernels
 
     if args.prebuilt:
         for line in cpu_kernels.build_prebuilt(Path(args.output or cpu_kernel_variants.prebuilt_root())):

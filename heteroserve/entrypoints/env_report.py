@@ -34,7 +34,7 @@ def collect_env(device: str = "auto") -> dict[str, object]:
     import torch
 
     from heteroserve.platforms import BUILTIN_PLATFORMS, detect_platforms, resolve_platform
-    from heteroserve.platforms.cpu import cpu_isa_flags, host_memory, isa_names
+    from heteroserve.platforms.cpu.platform import cpu_isa_flags, host_memory, isa_names
 
     entries = detect_platforms()
     extensions = {cls.vendor_extension: None for cls in BUILTIN_PLATFORMS.values() if cls.vendor_extension}

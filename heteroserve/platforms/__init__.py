@@ -6,7 +6,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from heteroserve.platforms.cpu import CpuPlatform
+from heteroserve.platforms.cpu.platform import CpuPlatform
 from heteroserve.platforms.cuda import CudaPlatform
 from heteroserve.platforms.interface import Platform
 from heteroserve.platforms.mlu import MluPlatform

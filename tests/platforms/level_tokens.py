@@ -9,7 +9,7 @@ import json
 import torch
 
 from heteroserve import LLM, SamplingParams
-from heteroserve.platforms import cpu_kernels
+from heteroserve.platforms.cpu import kernels as cpu_kernels
 
 PROMPTS = [
     "What is the capital of France?",

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from heteroserve.platforms.attention import AttentionBackend, AttentionStep
-from heteroserve.platforms.cpu import CpuPlatform
+from heteroserve.platforms.cpu.platform import CpuPlatform
 from heteroserve.platforms.interface import Platform
 from heteroserve.platforms.paged_attention import PagedAttentionBackend
 from tests.platforms.plugin_site import PLUGIN

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from heteroserve.platforms import cpu_kernels
-from heteroserve.platforms.cpu_int4 import CpuInt4Weight
-from heteroserve.platforms.cpu_packed import bfloat16_gemm_available
+from heteroserve.platforms.cpu import kernels as cpu_kernels
+from heteroserve.platforms.cpu.int4 import CpuInt4Weight
+from heteroserve.platforms.cpu.packed import bfloat16_gemm_available
 from tests.model.tiny_models import greedy_params, prompts, run, save_tiny
 
 

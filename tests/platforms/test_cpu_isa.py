@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import platform
 
-from heteroserve.platforms.cpu import ISA_NAMES, cpu_isa_flags, is_arm64, isa_names
+from heteroserve.platforms.cpu.platform import ISA_NAMES, cpu_isa_flags, is_arm64, isa_names
 
 ARM64_FLAGS = {"asimd", "asimdhp", "asimddp", "sve", "sve2", "bf16"}
 

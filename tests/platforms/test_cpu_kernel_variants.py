@@ -1,4 +1,4 @@
-"""Prebuilt kernel levels (cpu_kernel_variants.py): `heteroserve build-kernels --prebuilt` really builds them, and
+"""Prebuilt kernel levels (cpu/kernel_variants.py): `heteroserve build-kernels --prebuilt` really builds them, and
 a process with no compiler and no build of its own (the container image) loads the most capable level its CPU
 runs, with results equal to torch's; with none there it warns and keeps the reference operators."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from heteroserve.platforms.cpu_kernel_variants import supported_variants, variants_for
-from heteroserve.platforms.cpu_kernels import cpu_flags, prebuilt_directory
+from heteroserve.platforms.cpu.kernel_variants import supported_variants, variants_for
+from heteroserve.platforms.cpu.kernels import cpu_flags, prebuilt_directory
 
 ROOT = Path(__file__).resolve().parents[2]
 AVX2 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
@@ -22,8 +22,8 @@ AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 # Runs in a process that has no compiler (CXX names none) and an empty cache of its own builds.
 PROBE = """
 import json, torch
-from heteroserve.platforms import cpu_kernels
-from heteroserve.platforms.cpu import CpuPlatform
+from heteroserve.platforms.cpu import kernels as cpu_kernels
+from heteroserve.platforms.cpu.platform import CpuPlatform
 loaded = cpu_kernels.load_library()
 result = {"loaded": loaded, "build": cpu_kernels.loaded_build(), "describe": CpuPlatform().describe()["cpp_kernels"]}
 if loaded:

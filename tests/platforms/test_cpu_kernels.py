@@ -12,9 +12,10 @@ import time
 import pytest
 import torch
 
-from heteroserve.platforms import cpu_kernels, reference_ops
+from heteroserve.platforms import reference_ops
 from heteroserve.platforms.attention import AttentionStep
-from heteroserve.platforms.cpu import CpuPlatform
+from heteroserve.platforms.cpu import kernels as cpu_kernels
+from heteroserve.platforms.cpu.platform import CpuPlatform
 from heteroserve.platforms.operators import REFERENCE_LINEAR
 from heteroserve.platforms.paged_attention import AttentionMetadata, PagedAttentionBackend
 
@@ -321,7 +322,7 @@ def test_build_directory_with_a_left_behind_lock_still_loads(fused, tmp_path):
     lock = cpu_kernels.build_directory() / "lock"
     lock.touch()
     try:
-        script = "from heteroserve.platforms import cpu_kernels; print(cpu_kernels.load_library())"
+        script = "from heteroserve.platforms.cpu import kernels; print(kernels.load_library())"
         result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert result.stdout.strip() == "True", result.stderr
     finally:
@@ -355,7 +356,7 @@ def test_a_failed_build_warns_once_and_keeps_the_reference(monkeypatch, tmp_path
     monkeypatch.setenv("HETEROSERVE_PREBUILT_KERNELS", str(tmp_path / "prebuilt"))
     cpu_kernels.load_library.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="heteroserve.platforms.cpu_kernels"):
+        with caplog.at_level(logging.WARNING, logger="heteroserve.platforms.cpu.kernels"):
             table = CpuPlatform().operator_table(torch.float32)
             CpuPlatform().operator_table(torch.float32)
         described = table.describe()

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from heteroserve.platforms import cpu_kernels, reference_ops
-from heteroserve.platforms.cpu import CpuPlatform
+from heteroserve.platforms import reference_ops
+from heteroserve.platforms.cpu import kernels as cpu_kernels
+from heteroserve.platforms.cpu.platform import CpuPlatform
 from tests.platforms.test_cpu_kernels import prompt_chunk
 
 BF16_ULP = 2.0**-7  # bfloat16 keeps 7 significand bits after the leading one: rounding once is within half of this

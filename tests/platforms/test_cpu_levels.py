@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from heteroserve.platforms.cpu_kernel_variants import LEVEL_VARIABLE, supported_variants, variants_for
-from heteroserve.platforms.cpu_kernels import cpu_flags
+from heteroserve.platforms.cpu.kernel_variants import LEVEL_VARIABLE, supported_variants, variants_for
+from heteroserve.platforms.cpu.kernels import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = [

@@ -1,4 +1,4 @@
-"""The C++ packed GEMMs (cpu_packed.py) against float64 products: every tile and panel edge, biases, strided and
+"""The C++ packed GEMMs (cpu/packed.py) against float64 products: every tile and panel edge, biases, strided and
 batched inputs, and that the CPU platform's float32 (and, on AVX512-BF16, bfloat16) models go through them."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from heteroserve.platforms import cpu_kernels
-from heteroserve.platforms.cpu import CpuPlatform
-from heteroserve.platforms.cpu_packed import CpuPackedWeight, bfloat16_gemm_available
+from heteroserve.platforms.cpu import kernels as cpu_kernels
+from heteroserve.platforms.cpu.packed import CpuPackedWeight, bfloat16_gemm_available
+from heteroserve.platforms.cpu.platform import CpuPlatform
 from heteroserve.quantization.int8 import quantize_int8
 
 # (K, N): SmolLM2's projections, a last panel of 6 columns, a single output column, odd K

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from heteroserve.model.arch import LayerSpec, MLASpec, MoESpec
-from heteroserve.platforms.cpu_decode_layer import fuse_decode_layer
-from heteroserve.platforms.cpu_int4 import CpuInt4Weight
-from heteroserve.platforms.cpu_int8 import CpuGroupedInt8Weight, CpuInt8Weight
-from heteroserve.platforms.cpu_packed import CpuPackedWeight
+from heteroserve.platforms.cpu.decode_layer import fuse_decode_layer
+from heteroserve.platforms.cpu.int4 import CpuInt4Weight
+from heteroserve.platforms.cpu.int8 import CpuGroupedInt8Weight, CpuInt8Weight
+from heteroserve.platforms.cpu.packed import CpuPackedWeight
 from heteroserve.platforms.operators import DecodeLayerWeights
 from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.int4 import Int4Weight

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from heteroserve.platforms import cpu_kernels
+from heteroserve.platforms.cpu import kernels as cpu_kernels
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_the_platform_sets_the_pool_from_the_environment(library):
     and `heteroserve env` reports them."""
     script = (
         "import torch\n"
-        "from heteroserve.platforms.cpu import CpuPlatform\n"
+        "from heteroserve.platforms.cpu.platform import CpuPlatform\n"
         "platform = CpuPlatform(); platform.configure_process()\n"
         "print(torch.ops.heteroserve.kernel_thread_settings(), torch.get_num_threads())\n"
         "d = platform.describe(); print(d['kernel_threads'], d['kernel_spin_us'])\n"
@@ -155,9 +155,9 @@ def test_every_engine_of_a_process_and_its_peers_get_the_same_threads(library):
     script = (
         "import torch\n"
         "torch.set_num_threads(3)\n"
-        "from heteroserve.platforms.cpu import CpuPlatform\n"
+        "from heteroserve.platforms.cpu.platform import CpuPlatform\n"
         "from heteroserve.bench.vllm_peer import vllm_environment\n"
-        "from heteroserve.platforms.cpu import torch_at_process_threads\n"
+        "from heteroserve.platforms.cpu.platform import torch_at_process_threads\n"
         "for _ in range(2):\n"
         "    platform = CpuPlatform(); platform.configure_process(); platform.assign_threads(torch.float32)\n"
         "    print(torch.ops.heteroserve.kernel_thread_settings()[0], torch.get_num_threads())\n"

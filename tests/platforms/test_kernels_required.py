@@ -9,7 +9,7 @@ import platform
 
 import pytest
 
-from heteroserve.platforms import cpu_kernels
+from heteroserve.platforms.cpu import kernels as cpu_kernels
 
 
 def test_cpu_kernels_build_where_ci_requires_them():
@@ -17,5 +17,5 @@ def test_cpu_kernels_build_where_ci_requires_them():
         pytest.skip("set HETEROSERVE_REQUIRE_KERNELS=1 to require the C++ kernels (CI does)")
     assert cpu_kernels.load_library(), (
         f"the C++ kernels did not build or load on this {platform.machine()} machine; see the warning logged by "
-        "heteroserve.platforms.cpu_kernels"
+        "heteroserve.platforms.cpu.kernels"
     )

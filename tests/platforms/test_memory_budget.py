@@ -10,7 +10,7 @@ import torch
 from heteroserve.config import CacheConfig
 from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.entrypoints.openai.server_args import make_parser
-from heteroserve.platforms.cpu import CpuPlatform
+from heteroserve.platforms.cpu.platform import CpuPlatform
 from heteroserve.platforms.interface import Platform
 from heteroserve.worker.model_runner import kv_cache_dtype
 

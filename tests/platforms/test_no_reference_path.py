@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from heteroserve import LLM, SamplingParams
-from heteroserve.platforms import cpu_kernels
-from heteroserve.platforms.cpu import CpuLinear
-from heteroserve.platforms.cpu_int4 import CpuInt4Weight
-from heteroserve.platforms.cpu_int8 import CpuGroupedInt8Weight
-from heteroserve.platforms.cpu_packed import CpuPackedWeight
+from heteroserve.platforms.cpu import kernels as cpu_kernels
+from heteroserve.platforms.cpu.int4 import CpuInt4Weight
+from heteroserve.platforms.cpu.int8 import CpuGroupedInt8Weight
+from heteroserve.platforms.cpu.packed import CpuPackedWeight
+from heteroserve.platforms.cpu.platform import CpuLinear
 from heteroserve.platforms.operators import REFERENCE_LINEAR, OperatorTable
 from heteroserve.quantization.int4 import Int4Weight, quantize_int4
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from heteroserve.platforms import BUILTIN_PLATFORMS, detect_platforms, resolve_platform
-from heteroserve.platforms.cpu import CpuPlatform
+from heteroserve.platforms.cpu.platform import CpuPlatform
 from heteroserve.platforms.operators import CPU_FALLBACK, OPERATORS, LinearOp, OperatorTable, means_unsupported
 from heteroserve.platforms.reference_ops import rms_norm
 

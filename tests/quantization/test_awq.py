@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from heteroserve import SamplingParams
-from heteroserve.platforms import cpu_kernels
-from heteroserve.platforms.cpu import CpuLinear
+from heteroserve.platforms.cpu import kernels as cpu_kernels
+from heteroserve.platforms.cpu.platform import CpuLinear
 from heteroserve.platforms.operators import LinearOp
 from heteroserve.quantization.awq import AwqConfig, awq_weight
 from tests.model.tiny_models import TinyModel, as_reference, prompts

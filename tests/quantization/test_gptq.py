@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from heteroserve.platforms import cpu_kernels
-from heteroserve.platforms.cpu import CpuLinear, _int8_kernel_works
-from heteroserve.platforms.cpu_packed import CpuPackedWeight
+from heteroserve.platforms.cpu import kernels as cpu_kernels
+from heteroserve.platforms.cpu.packed import CpuPackedWeight
+from heteroserve.platforms.cpu.platform import CpuLinear, _int8_kernel_works
 from heteroserve.platforms.operators import LinearOp
 from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.gptq import GptqConfig, gptq_weight

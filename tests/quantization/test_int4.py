@@ -7,9 +7,9 @@ import torch
 from gguf import GGMLQuantizationType
 
 from heteroserve import LLM, SamplingParams
-from heteroserve.platforms import cpu_kernels
-from heteroserve.platforms.cpu_int4 import CpuInt4Weight
-from heteroserve.platforms.cpu_packed import CpuPackedWeight
+from heteroserve.platforms.cpu import kernels as cpu_kernels
+from heteroserve.platforms.cpu.int4 import CpuInt4Weight
+from heteroserve.platforms.cpu.packed import CpuPackedWeight
 from heteroserve.platforms.operators import LinearOp
 from heteroserve.quantization.int4 import Int4Weight, quantize_int4
 from tests.model.test_gguf import COMMON_GGUF, write_gguf

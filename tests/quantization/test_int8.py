@@ -7,10 +7,10 @@ import torch
 
 from heteroserve import SamplingParams
 from heteroserve.model.loader.weights import _cat
-from heteroserve.platforms import cpu_kernels
-from heteroserve.platforms.cpu import _int8_kernel_works
-from heteroserve.platforms.cpu_int4 import CpuInt4Weight
-from heteroserve.platforms.cpu_int8 import KERNEL_MAX_ROWS, CpuGroupedInt8Weight, CpuInt8Weight
+from heteroserve.platforms.cpu import kernels as cpu_kernels
+from heteroserve.platforms.cpu.int4 import CpuInt4Weight
+from heteroserve.platforms.cpu.int8 import KERNEL_MAX_ROWS, CpuGroupedInt8Weight, CpuInt8Weight
+from heteroserve.platforms.cpu.platform import _int8_kernel_works
 from heteroserve.platforms.operators import LinearOp
 from heteroserve.quantization.int4 import quantize_int4
 from heteroserve.quantization.int8 import Int8Weight, quantize_int8

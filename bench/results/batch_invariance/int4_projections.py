@@ -13,8 +13,8 @@ if os.environ.get("TREE"):  # run another tree's heteroserve: drop the editable 
 import torch
 
 import heteroserve
-from heteroserve.platforms import cpu_kernels
-from heteroserve.platforms.cpu_int4 import CpuInt4Weight
+from heteroserve.platforms.cpu import kernels as cpu_kernels
+from heteroserve.platforms.cpu.int4 import CpuInt4Weight
 from heteroserve.quantization.int4 import quantize_int4
 
 assert cpu_kernels.load_library()

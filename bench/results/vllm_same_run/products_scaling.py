@@ -9,8 +9,8 @@ import time
 
 import torch
 
-from heteroserve.platforms import cpu_kernels
-from heteroserve.platforms.cpu_packed import CpuPackedWeight
+from heteroserve.platforms.cpu import kernels as cpu_kernels
+from heteroserve.platforms.cpu.packed import CpuPackedWeight
 
 assert cpu_kernels.load_library()
 torch.ops.heteroserve.set_kernel_threads(int(sys.argv[1]), 200)

@@ -9,9 +9,9 @@ import time
 
 import torch
 
-from heteroserve.platforms import cpu_kernels
-from heteroserve.platforms.cpu import process_threads
-from heteroserve.platforms.cpu_packed import CpuPackedWeight
+from heteroserve.platforms.cpu import kernels as cpu_kernels
+from heteroserve.platforms.cpu.packed import CpuPackedWeight
+from heteroserve.platforms.cpu.platform import process_threads
 
 DTYPE = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "bfloat16")
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K): qkv, o, gate_up, down

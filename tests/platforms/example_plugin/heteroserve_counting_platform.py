@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from heteroserve.platforms.attention import AttentionBackend, AttentionStep
-from heteroserve.platforms.cpu import CpuPlatform
+from heteroserve.platforms.cpu.platform import CpuPlatform
 from heteroserve.platforms.operators import LinearOp, OperatorTable
 from heteroserve.quantization.int4 import Int4Weight
 from heteroserve.worker.model_runner import ModelRunner

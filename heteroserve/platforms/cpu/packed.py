@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from heteroserve.platforms import cpu_kernels
+from heteroserve.platforms.cpu import kernels as cpu_kernels
 from heteroserve.quantization.weight import kept_on
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from heteroserve.platforms import cpu_kernels
+from heteroserve.platforms.cpu import kernels as cpu_kernels
 from heteroserve.quantization.int8 import Int8Weight
 from heteroserve.quantization.weight import kept_on
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import torch
 
 from heteroserve.model.arch import ImplementedTraits, unimplemented_traits
-from heteroserve.platforms.cpu_int4 import CpuInt4Weight
-from heteroserve.platforms.cpu_packed import CpuPackedWeight
+from heteroserve.platforms.cpu.int4 import CpuInt4Weight
+from heteroserve.platforms.cpu.packed import CpuPackedWeight
 from heteroserve.platforms.operators import DecodeLayerWeights
 
 # The projection formats decode_layer.cpp reads, each as the tensors it takes: [panels] for packed float32 or

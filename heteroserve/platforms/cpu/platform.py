@@ -14,11 +14,11 @@ from collections.abc import Iterator
 import torch
 
 from heteroserve.config import DEFAULT_CPU_KV_CACHE_BYTES
-from heteroserve.platforms import cpu_kernels
-from heteroserve.platforms.cpu_decode_layer import fuse_decode_layer
-from heteroserve.platforms.cpu_int4 import CpuInt4Weight
-from heteroserve.platforms.cpu_int8 import CpuGroupedInt8Weight, CpuInt8Weight
-from heteroserve.platforms.cpu_packed import CpuPackedWeight, bfloat16_gemm_available, bfloat16_gemm_kernel
+from heteroserve.platforms.cpu import kernels as cpu_kernels
+from heteroserve.platforms.cpu.decode_layer import fuse_decode_layer
+from heteroserve.platforms.cpu.int4 import CpuInt4Weight
+from heteroserve.platforms.cpu.int8 import CpuGroupedInt8Weight, CpuInt8Weight
+from heteroserve.platforms.cpu.packed import CpuPackedWeight, bfloat16_gemm_available, bfloat16_gemm_kernel
 from heteroserve.platforms.interface import Platform
 from heteroserve.platforms.operators import REFERENCE_LINEAR, DecodeLayerFuser, Kernel, LinearOp
 from heteroserve.quantization.act_order import PermutedInput
@@ -136,7 +136,7 @@ def host_memory() -> tuple[int, int]:
 
 
 class CpuLinear(LinearOp):
-    """Float32 weights packed once for our C++ GEMM (cpu_packed.py: one kernel for every batch size, reading the
+    """Float32 weights packed once for our C++ GEMM (packed.py: one kernel for every batch size, reading the
     weight as one stream), bfloat16 ones for its bfloat16 twin; without the C++ library they are repacked once for
     oneDNN. 4-bit weights go to our 4-bit kernel (CpuInt4Weight), 8-bit ones stay 8-bit under our 8-bit kernels
     (CpuGroupedInt8Weight, float32 arithmetic); without the C++ library, per-channel 8-bit weights go to torch's

@@ -13,23 +13,23 @@
   widened as they are read, computed in float32 and rounded once when stored (vector_math.h: AVX512-BF16's
   conversion where -march=native has it, the same rounding in portable code elsewhere).
 - `torch.ops.heteroserve.pack_linear_weight` / `packed_linear` (csrc/packed_linear.cpp): the float32 GEMM for
-  every batch size, called by cpu_packed.CpuPackedWeight through the platform's linear op; `int4_panel_linear`
+  every batch size, called by packed.CpuPackedWeight through the platform's linear op; `int4_panel_linear`
   (csrc/int4_panel_linear.cpp) multiplies 4-bit weights in float32 at every batch size with one order of
-  summation (cpu_int4): a few rows straight from the nibbles, more on the GEMM's tile shape.
+  summation (int4.py): a few rows straight from the nibbles, more on the GEMM's tile shape.
   `pack_bf16_linear_weight` / `bf16_packed_linear` (csrc/bf16_packed_linear.cpp): its bfloat16 twin, on
   AVX512-BF16's dot-product instruction where the compiler targets it, elsewhere with the pairs widened in
   registers (the same layout and sums on every level).
 - `torch.ops.heteroserve.decode_layer` (csrc/decode_layer.cpp): the kernels above chained for one decoder layer
-  of a decode-only step (cpu_decode_layer.py), so that no Python runs between them.
+  of a decode-only step (decode_layer.py), so that no Python runs between them.
 - `torch.ops.heteroserve.int8_grouped_linear` (csrc/int8_grouped_linear.cpp): grouped 8-bit weights read in
-  place for decode batches, called by cpu_int8.CpuGroupedInt8Weight rather than through the operator table;
+  place for decode batches, called by int8.CpuGroupedInt8Weight rather than through the operator table;
   `int8_grouped_dequantize` expands the slices larger batches multiply in cache.
 
 The library is built for this machine's CPU (-march=native), so its build directory is named by a hash of the
 CPU's flags, the compiler flags, torch's version and the sources: a cache shared between different CPUs, or
 left over from another torch, is never loaded. Building takes ~10-60 s on 2 cores; later processes load the
 cached library. Where it cannot be built (no compiler: the container image), the build prebuilt for the CPU's
-instruction-set level is loaded instead (cpu_kernel_variants.py, `heteroserve build-kernels --prebuilt`).
+instruction-set level is loaded instead (cpu/kernel_variants.py, `heteroserve build-kernels --prebuilt`).
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from pathlib import Path
 
 import torch
 
-from heteroserve.platforms import cpu_kernel_variants as variants
 from heteroserve.platforms import reference_ops
+from heteroserve.platforms.cpu import kernel_variants as variants
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ def build_directory() -> Path:
 @functools.cache
 def load_library() -> bool:
     """Loads the library once per process: this CPU's own build (made on first use where a C++ compiler is),
-    else the prebuilt build of this CPU's instruction-set level (cpu_kernel_variants.py: what the container
+    else the prebuilt build of this CPU's instruction-set level (cpu/kernel_variants.py: what the container
     image carries). False, after one warning, where neither loads: the platform then keeps the reference
     operators. $HETEROSERVE_CPU_LEVEL names one level instead (x86_64_v4, x86_64_v3, x86_64, armv8_a): its build
     is made for this machine's cache, so that a machine tests the kernels of every level it can run."""
@@ -260,7 +260,7 @@ def build_prebuilt(root: Path) -> list[str]:
     for variant in variants.variants_for():
         directory = prebuilt_directory(variant, root)
         code = (
-            "import sys; from heteroserve.platforms import cpu_kernels as k; k.build_variant(sys.argv[1], sys.argv[2])"
+            "import sys; from heteroserve.platforms.cpu import kernels as k; k.build_variant(sys.argv[1], sys.argv[2])"
         )
         run = subprocess.run([sys.executable, "-c", code, variant.name, str(root)], capture_output=True, text=True)
         library = directory / f"{directory.name}.so"
