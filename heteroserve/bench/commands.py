@@ -12,6 +12,7 @@ from pathlib import Path
 
 from heteroserve.bench import PEERS
 from heteroserve.engine.engine_args import EngineArgs
+from heteroserve.help_format import DefaultsHelpFormatter
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
@@ -23,7 +24,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     _add_threads_parser(kinds)
     soak = kinds.add_parser(
         "soak",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
         help="the gateway and several servers under mixed traffic and injected faults: what was lost",
     )
     soak.add_argument("model", nargs="?", default=None, help="served by every back end (default: the embedded one)")
@@ -33,12 +34,12 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--output-json", type=Path, default=None)
     soak.set_defaults(handler=_run_soak)
-    for name, handler in (
-        ("throughput", _run_throughput),
-        ("latency", _run_latency),
-        ("serve", _run_serve),
+    for name, handler, summary in (
+        ("throughput", _run_throughput, "requests of the workload all at once: output tokens/s (scenarios B, D)"),
+        ("latency", _run_latency, "one request at a time: time to first token and decode tokens/s (scenario A)"),
+        ("serve", _run_serve, "streaming clients against a real server: TTFT and inter-token latency (scenario C)"),
     ):
-        sub = kinds.add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        sub = kinds.add_parser(name, formatter_class=DefaultsHelpFormatter, help=summary)
         sub.add_argument("model", nargs="?", default=None)
         sub.add_argument("--peer", action="append", default=[], help=f"also run a peer: {', '.join(PEERS)}")
         sub.add_argument("--output-json", type=Path, default=None)
@@ -141,7 +142,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
 def _add_vision_parser(kinds: argparse._SubParsersAction) -> None:
     sub = kinds.add_parser(
         "vision",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
         help="one image + question through a vision-language model, ours vs transformers",
     )
     sub.add_argument("model", help="a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint folder")
@@ -157,7 +158,7 @@ def _add_vision_parser(kinds: argparse._SubParsersAction) -> None:
 def _add_embed_parser(kinds: argparse._SubParsersAction) -> None:
     sub = kinds.add_parser(
         "embed",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
         help="passages of mixed lengths through an embedding model, ours against sentence-transformers",
     )
     sub.add_argument("model", nargs="?", default=None, help="a sentence-transformers folder (default: built)")
@@ -176,7 +177,7 @@ def _add_embed_parser(kinds: argparse._SubParsersAction) -> None:
 def _add_quality_parser(kinds: argparse._SubParsersAction) -> None:
     sub = kinds.add_parser(
         "quality",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
         help="teacher-forced argmax agreement with float32 and perplexity of a narrower dtype on the workload",
     )
     sub.add_argument("model", nargs="?", default=None, help="default: the embedded model")
@@ -190,7 +191,7 @@ def _add_quality_parser(kinds: argparse._SubParsersAction) -> None:
 def _add_threads_parser(kinds: argparse._SubParsersAction) -> None:
     sub = kinds.add_parser(
         "threads",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
         help="scenario A decode under each OMP_WAIT_POLICY and beside a second engine, alternating rounds",
     )
     sub.add_argument("--rounds", type=int, default=3)

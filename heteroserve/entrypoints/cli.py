@@ -17,6 +17,7 @@ from heteroserve.entrypoints.chat_client import add_chat_args, run_chat
 from heteroserve.entrypoints.gateway import add_gateway_args
 from heteroserve.entrypoints.openai.server_args import add_server_args
 from heteroserve.export.command import add_export_parser
+from heteroserve.help_format import DefaultsHelpFormatter
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -58,21 +59,19 @@ def main(argv: list[str] | None = None) -> None:
     chat = commands.add_parser(
         "chat",
         help="chat in the terminal with a running server (or, with --local, the model in-process)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     add_chat_args(chat)
     EngineArgs.add_cli_args(chat)  # for --local
     chat.set_defaults(handler=run_chat)
     add_bench_parser(commands)
-    serve = commands.add_parser(
-        "serve", help="OpenAI-compatible server", formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    serve = commands.add_parser("serve", help="OpenAI-compatible server", formatter_class=DefaultsHelpFormatter)
     add_server_args(serve)
     serve.set_defaults(handler=_serve)
     gateway = commands.add_parser(
         "gateway",
         help="one OpenAI-compatible endpoint in front of several back ends",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     add_gateway_args(gateway)
     gateway.set_defaults(handler=_gateway)
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     kernels = commands.add_parser(
         "build-kernels",
         help="build the CPU platform's C++ kernels now rather than at the first start",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     kernels.add_argument(
         "--prebuilt",

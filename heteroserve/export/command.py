@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from heteroserve.export.options import DTYPES, INT4_WEIGHTS, KV_LAYOUTS, ExportOptions, parse_grid, parse_static
+from heteroserve.help_format import DefaultsHelpFormatter
 
 
 def add_export_parser(commands: argparse._SubParsersAction) -> None:
@@ -16,7 +17,7 @@ def add_export_parser(commands: argparse._SubParsersAction) -> None:
     onnx = formats.add_parser(
         "onnx",
         help="a prefill and a decode ONNX graph with the KV cache as inputs and outputs, and config.json",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     onnx.add_argument("model", nargs="?", help="checkpoint folder, GGUF file or cached Hugging Face id (default model)")
     onnx.add_argument("--out", required=True, type=Path, help="the folder to write the graphs and config.json to")

@@ -12,6 +12,7 @@ from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.entrypoints.openai.listen_address import port_number
 from heteroserve.entrypoints.openai.lora_modules import parse_lora_module
 from heteroserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from heteroserve.help_format import DefaultsHelpFormatter
 from heteroserve.metrics import METRICS_PREFIXES
 
 SERVER_PREFILL_TOKENS_PER_STEP = 256
@@ -21,7 +22,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="heteroserve serve",
         description="OpenAI-compatible LLM server",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     add_server_args(parser)
     return parser
@@ -31,7 +32,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", default=None, help="model (default: the embedded SmolLM2-135M)")
     parser.add_argument("--model", default=None, help="same as the positional MODEL")
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default="0.0.0.0")
+    group.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="the address to listen on: every interface, as vLLM (a container's port mapping decides who reaches "
+        "it); 127.0.0.1 for this machine only",
+    )
     group.add_argument("--port", type=port_number, default=8000, help="checked and bound before the model loads")
     group.add_argument("--served-model-name", nargs="+", default=None, help="names clients use (default: the model)")
     group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
