@@ -330,3 +330,13 @@ def test_chat_page_attaches_and_pastes_images(vl_server, offline, page, tmp_path
     assert page.locator(".msg.error").count() == 0
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "chat_page_images.png"))
+
+
+def test_a_folder_model_is_served_under_its_folders_name(client, tiny):
+    """No --served-model-name: the card's id is the folder's base name and its root the path given; a request that
+    names the model by that path (as clients of vLLM, which serves a folder under its path, do) is served too."""
+    card = client.models.list().data[0].model_dump()
+    assert (card["id"], card["root"]) == (tiny.folder.name, str(tiny.folder))
+    for name in (tiny.folder.name, str(tiny.folder)):
+        reply = client.chat.completions.create(model=name, messages=messages(text="Hi"), max_tokens=2)
+        assert reply.model == tiny.folder.name

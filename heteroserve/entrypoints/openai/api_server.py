@@ -188,7 +188,7 @@ def _add_generation_routes(
             "object": "model",
             "created": now(),
             "owned_by": "heteroserve",
-            "root": engine.engine.model_name if lora is None else lora.lora_path,
+            "root": (settings.model_root or engine.engine.model_name) if lora is None else lora.lora_path,
             "parent": None if lora is None else settings.served_model_names[0],
             "max_model_len": engine.engine.max_model_len,
             "task": engine.engine.task,  # generate, embed or score: which routes serve it
@@ -249,6 +249,15 @@ def _add_generation_routes(
         return {"prompt": await asyncio.to_thread(chats.tokenizer.decode, body.tokens)}
 
 
+def served_name(model: str) -> str:
+    """The name a model is served under by default: a local folder's or file's base name (its path is the card's
+    root), a Hugging Face id or the embedded model's name as it is."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        return model
+    return path.stem if path.is_file() else path.resolve().name
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Starts the engine and serves until SIGTERM. A configuration error found while starting (a ValueError, a
     missing file, a taken port) is one line on stderr and exit 2: the user's mistake, not a bug to debug."""
@@ -304,7 +313,7 @@ def _start(args: argparse.Namespace) -> tuple[AsyncLLMEngine, DrainingServer, so
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     engine = AsyncLLMEngine.from_config(config)
-    names = args.served_model_name or [engine.engine.model_name]
+    names = args.served_model_name or [served_name(engine.engine.model_name)]
     lora_modules = LoRAModules()
     for name, path, base in args.lora_modules or ():
         lora = lora_modules.new(name, path)
@@ -334,6 +343,7 @@ def _start(args: argparse.Namespace) -> tuple[AsyncLLMEngine, DrainingServer, so
         max_prompts_per_request=args.max_prompts_per_request,
         metrics_prefix=args.metrics_prefix,
         lora_modules=lora_modules,
+        model_root=engine.engine.model_name,
     )
     app = build_app(
         engine,

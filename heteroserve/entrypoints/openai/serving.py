@@ -39,6 +39,9 @@ class ServerSettings:
     max_prompts_per_request: int = 256  # prompts in one completion request (each is an engine request)
     metrics_prefix: str = "both"  # /metrics names: heteroserve:*, vllm:* or both (METRICS_PREFIXES)
     lora_modules: LoRAModules = field(default_factory=LoRAModules)  # adapters served by name (--lora-modules)
+    # The model as the user named it (a folder or file path, a Hugging Face id): the card's `root`, and accepted as
+    # a request's `model` too, as vLLM serves a folder under its path.
+    model_root: str | None = None
 
 
 class Admission:
@@ -108,7 +111,7 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The LoRA adapter the request's model names (None: the base model); 404 for a model not served here."""
-        if model is None or model in self.settings.served_model_names:
+        if model is None or model in self.settings.served_model_names or model == self.settings.model_root:
             return None
         lora = self.settings.lora_modules.get(model)
         if lora is None:
