@@ -39,7 +39,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "it); 127.0.0.1 for this machine only",
     )
     group.add_argument("--port", type=port_number, default=8000, help="checked and bound before the model loads")
-    group.add_argument("--served-model-name", nargs="+", default=None, help="names clients use (default: a folder's or file's base name; a Hugging Face id as given)")
+    group.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="names clients use (default: a folder's or file's base name; a Hugging Face id as given)",
+    )
     group.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     group.add_argument("--chat-template", default=None, help="a Jinja chat template (file path or inline)")
     group.add_argument(
