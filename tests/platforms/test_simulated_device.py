@@ -106,26 +106,19 @@ def test_operators_the_device_lacks_run_on_the_cpu_and_are_counted(on_sim, sim_s
     fallback = cases["tiny Qwen2, CPU fallback for two operators"]
     assert fallback["tokens"] == cases["tiny Qwen2, float32"]["tokens"]
     assert set(fallback["fallbacks"]) == {"rms_norm", "silu_and_mul"} and min(fallback["fallbacks"].values()) > 0
-    env = {**suite_env(sim_site), "HETEROSERVE_SIMULATED_UNSUPPORTED_OPERATORS": "rms_norm"}
-    shown = subprocess.run(
-        [sys.executable, "-m", "heteroserve.entrypoints.cli", "env", "--device", "sim"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    shown = env_report(sim_site, "rms_norm")
     assert shown.returncode == 0, shown.stderr[-2000:]
     rms_norm = [line for line in shown.stdout.splitlines() if line.strip().startswith("rms_norm")]
     assert rms_norm and "cpu fallback" in rms_norm[0], shown.stdout
-    env["HETEROSERVE_SIMULATED_UNSUPPORTED_OPERATORS"] = "rms_norm,no_such_operator"
-    refused = subprocess.run(
-        [sys.executable, "-m", "heteroserve.entrypoints.cli", "env", "--device", "sim"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    refused = env_report(sim_site, "rms_norm,no_such_operator")
     assert "no_such_operator, which are not operators" in refused.stdout + refused.stderr
+
+
+def env_report(site: Path, unsupported: str) -> subprocess.CompletedProcess:
+    """`heteroserve env --device sim` with the device declaring `unsupported` operators missing."""
+    env = {**suite_env(site), "HETEROSERVE_SIMULATED_UNSUPPORTED_OPERATORS": unsupported}
+    command = [sys.executable, "-m", "heteroserve.entrypoints.cli", "env", "--device", "sim"]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_no_model_tensor_is_read_from_host_memory_in_a_step(on_sim):
