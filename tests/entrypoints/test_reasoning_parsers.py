@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from heteroserve.config import REASONING_FORMATS
-from heteroserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, reasoning_parser
+from heteroserve.entrypoints.openai.reasoning_parsers import reasoning_parser
 
 
 def stream(name: str, pieces: list[str]) -> tuple[str, str]:
-    parser_stream = reasoning_parser(name)().stream()
+    parser_stream = reasoning_parser(name).stream()
     deltas = [delta for piece in pieces for delta in parser_stream.feed(piece)] + parser_stream.finish()
     parts = {"reasoning_content": "", "content": ""}
     for delta in deltas:
@@ -37,7 +37,7 @@ def stream(name: str, pieces: list[str]) -> tuple[str, str]:
     ],
 )
 def test_deepseek_r1_output_starts_inside_the_reasoning(text, expected):
-    assert reasoning_parser("deepseek_r1")().extract(text) == expected
+    assert reasoning_parser("deepseek_r1").extract(text) == expected
     assert stream("deepseek_r1", list(text)) == tuple(part or "" for part in expected)
 
 
@@ -53,12 +53,12 @@ def test_deepseek_r1_output_starts_inside_the_reasoning(text, expected):
     ],
 )
 def test_qwen3_reasons_only_inside_a_think_block_it_starts_with(text, expected):
-    assert reasoning_parser("qwen3")().extract(text) == expected
+    assert reasoning_parser("qwen3").extract(text) == expected
     assert stream("qwen3", list(text)) == tuple(part or "" for part in expected)
 
 
 def test_stream_sends_reasoning_as_it_arrives_and_holds_back_only_possible_markers():
-    parser_stream = reasoning_parser("qwen3")().stream()
+    parser_stream = reasoning_parser("qwen3").stream()
     assert parser_stream.feed("<th") == []
     assert parser_stream.feed("ink>\nFirst") == [{"reasoning_content": "First"}]
     assert parser_stream.feed(" idea.\n</th") == [{"reasoning_content": " idea."}]
@@ -68,7 +68,7 @@ def test_stream_sends_reasoning_as_it_arrives_and_holds_back_only_possible_marke
 
 
 def test_reasoning_parser_names_the_known_parsers():
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3"}
+    assert set(REASONING_FORMATS) == {"deepseek_r1", "qwen3"}
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
         reasoning_parser("nope")
 
@@ -76,20 +76,19 @@ def test_reasoning_parser_names_the_known_parsers():
 FRAGMENTS = ["<think>", "</think>", "<th", "</th", "ink>", "<", "/", ">", " ", "\n", "a", "é", "😀", "\n\n"]
 
 
-@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+@pytest.mark.parametrize("name", sorted(REASONING_FORMATS))
 @settings(max_examples=200)
 @given(data=st.data())
 def test_streams_equal_extract_however_split(name, data):
     text = data.draw(st.lists(st.sampled_from(FRAGMENTS), max_size=20).map("".join))
     cuts = sorted(set(data.draw(st.lists(st.integers(0, len(text)), max_size=len(text)))))
     bounds = [0, *cuts, len(text)]
-    reasoning, content = reasoning_parser(name)().extract(text)
+    reasoning, content = reasoning_parser(name).extract(text)
     pieces = [text[start:end] for start, end in zip(bounds, bounds[1:], strict=False)]
     assert stream(name, pieces) == (reasoning or "", content or "")
 
 
 def test_the_server_parsers_and_the_engine_read_one_registry():
-    """The engine waits for the reasoning the server's parser splits off: one format per name for both."""
-    assert set(REASONING_PARSERS) == set(REASONING_FORMATS)
-    for name, parser in REASONING_PARSERS.items():
-        assert parser.starts_in_reasoning is REASONING_FORMATS[name].starts_in_reasoning
+    """The engine waits for the reasoning the server's parser splits off: the parser is made of the engine's format."""
+    for name, format in REASONING_FORMATS.items():
+        assert reasoning_parser(name).format is format

@@ -101,7 +101,7 @@ class ChoiceDeltas:
 
     def __init__(self, tools: ToolOutput, reasoning_parser_name: str | None) -> None:
         self.tools = tools
-        self.reasoning = reasoning_parser(reasoning_parser_name)().stream() if reasoning_parser_name else None
+        self.reasoning = reasoning_parser(reasoning_parser_name).stream() if reasoning_parser_name else None
 
     def feed(self, text: str) -> list[dict]:
         if self.reasoning is None:

@@ -9,49 +9,35 @@ from __future__ import annotations
 
 import re
 
-from heteroserve.config import REASONING_FORMATS
+from heteroserve.config import REASONING_FORMATS, ReasoningFormat
 from heteroserve.entrypoints.openai.tool_parsers.stream_text import Trimmer, partial_marker_len
-
-START, END = REASONING_FORMATS["qwen3"].start, REASONING_FORMATS["qwen3"].end
-_START = re.compile(r"\s*" + re.escape(START))
 
 
 class ReasoningParser:
-    """Splits `<think>...</think>` reasoning from the answer after it.
+    """Splits a format's `start ... end` reasoning (`<think>...</think>`) from the answer after it.
 
-    A `<think>` counts only at the start of the output (after whitespace); reasoning runs to the first `</think>`,
-    or to the end of the output when none comes (the model ran out of tokens while thinking). Formats differ in
-    whether an output without `<think>` starts inside the reasoning (`starts_in_reasoning`).
+    A start marker counts only at the start of the output (after whitespace); reasoning runs to the first end
+    marker, or to the end of the output when none comes (the model ran out of tokens while thinking). Formats
+    differ in whether an output without the start marker starts inside the reasoning (`starts_in_reasoning`:
+    DeepSeek-R1, whose chat template ends the prompt with `<think>`; Qwen3's output without one is all content).
     """
 
-    starts_in_reasoning = False
+    def __init__(self, format: ReasoningFormat) -> None:
+        self.format = format
+        self._start = re.compile(r"\s*" + re.escape(format.start))
 
     def extract(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning_content, content) of a finished output."""
-        opening = _START.match(text)
+        opening = self._start.match(text)
         if opening:
             text = text[opening.end() :]
-        elif not self.starts_in_reasoning:
+        elif not self.format.starts_in_reasoning:
             return None, text.strip() or None
-        reasoning, _, content = text.partition(END)
+        reasoning, _, content = text.partition(self.format.end)
         return reasoning.strip() or None, content.strip() or None
 
     def stream(self) -> ReasoningStream:
-        return ReasoningStream(self.starts_in_reasoning)
-
-
-class DeepSeekR1ReasoningParser(ReasoningParser):
-    """DeepSeek-R1: its chat template ends the prompt with `<think>`, so the output starts inside the reasoning (a
-    `<think>` it writes anyway is dropped) and is all reasoning until `</think>`, as vLLM's deepseek_r1 parser."""
-
-    starts_in_reasoning = REASONING_FORMATS["deepseek_r1"].starts_in_reasoning
-
-
-class Qwen3ReasoningParser(ReasoningParser):
-    """Qwen3: the output reasons only inside the `<think>...</think>` it starts with; with `enable_thinking: false`
-    it writes none (or an empty one), and an output without one is all content."""
-
-    starts_in_reasoning = REASONING_FORMATS["qwen3"].starts_in_reasoning
+        return ReasoningStream(self.format)
 
 
 class ReasoningStream:
@@ -61,8 +47,8 @@ class ReasoningStream:
     a marker, or whitespace that may turn out to be at an end of the reasoning or the content.
     """
 
-    def __init__(self, starts_in_reasoning: bool) -> None:
-        self._starts_in_reasoning = starts_in_reasoning
+    def __init__(self, format: ReasoningFormat) -> None:
+        self._format = format
         self._pending = ""  # text received but not sent
         self._state = "opening"  # opening (a <think> may still come), reasoning, or content
         self._reasoning, self._content = Trimmer(), Trimmer()
@@ -80,23 +66,24 @@ class ReasoningStream:
         return self._take()
 
     def _advance(self, final: bool) -> None:
+        start, end_marker = self._format.start, self._format.end
         if self._state == "opening":
             head = self._pending.lstrip()
-            if head.startswith(START):
-                self._pending, self._state = head[len(START) :], "reasoning"
-            elif START.startswith(head) and not final:
+            if head.startswith(start):
+                self._pending, self._state = head[len(start) :], "reasoning"
+            elif start.startswith(head) and not final:
                 return
             else:
-                self._state = "reasoning" if self._starts_in_reasoning else "content"
+                self._state = "reasoning" if self._format.starts_in_reasoning else "content"
         if self._state == "reasoning":
-            end = self._pending.find(END)
+            end = self._pending.find(end_marker)
             if end < 0:
-                keep = 0 if final else partial_marker_len(self._pending, END)
+                keep = 0 if final else partial_marker_len(self._pending, end_marker)
                 self._emit("reasoning_content", self._reasoning, self._pending[: len(self._pending) - keep])
                 self._pending = self._pending[len(self._pending) - keep :]
                 return
             self._emit("reasoning_content", self._reasoning, self._pending[:end])
-            self._pending, self._state = self._pending[end + len(END) :], "content"
+            self._pending, self._state = self._pending[end + len(end_marker) :], "content"
         self._emit("content", self._content, self._pending)
         self._pending = ""
 
@@ -110,15 +97,10 @@ class ReasoningStream:
         return deltas
 
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    "deepseek_r1": DeepSeekR1ReasoningParser,
-    "qwen3": Qwen3ReasoningParser,
-}
-
-
-def reasoning_parser(name: str) -> type[ReasoningParser]:
-    """The parser class `--reasoning-parser name` selects."""
+def reasoning_parser(name: str) -> ReasoningParser:
+    """The parser `--reasoning-parser name` selects: the format config.REASONING_FORMATS names, which the engine
+    reads too (structured outputs start after the reasoning)."""
     try:
-        return REASONING_PARSERS[name]
+        return ReasoningParser(REASONING_FORMATS[name])
     except KeyError:
-        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}") from None
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_FORMATS))}") from None
