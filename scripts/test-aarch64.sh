@@ -4,7 +4,8 @@
 #
 #   sudo bash scripts/test-aarch64.sh            # log: docs/aarch64-run.log
 #
-# Not part of CI: under emulation torch runs ~170x slower than natively, and the run takes tens of minutes.
+# Not part of CI: under emulation torch runs far slower than natively (docs/AARCH64.md), and the run takes tens
+# of minutes.
 # Needs root (binfmt_misc, chroot, mounts) and Debian's debootstrap, qemu-user-static and binfmt-support.
 # AARCH64_ROOT (default /var/tmp/heteroserve-arm64) is kept between runs: the second run skips debootstrap and
 # the pip installs. QEMU_CPU picks the emulated CPU: neoverse-n1 (Armv8.2, NEON, no SVE) stands for

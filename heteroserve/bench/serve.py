@@ -122,9 +122,9 @@ def summarize(wall_s: float, timings: list[RequestTiming]) -> dict[str, object]:
 
 class OwnServer:
     """Starts `heteroserve serve` (or, with `command`, another heteroserve command that serves HTTP, or with
-    `python` too, a peer's server) on a free local port, for a self-contained run, in this process's environment:
-    with OMP_WAIT_POLICY=PASSIVE a 128-token prefill took 40 ms longer (OpenMP workers wake up for every
-    operator)."""
+    `python` too, a peer's server) on a free local port, for a self-contained run, in this process's environment,
+    without forcing OMP_WAIT_POLICY=PASSIVE, under which OpenMP workers wake up for every operator and a prefill pays
+    for it (bench/README.md, "Figures behind the code's choices")."""
 
     def __init__(
         self,

@@ -75,7 +75,8 @@ TtftOf = Callable[[int, list[int]], Awaitable[float]]  # (index, prompt) -> seco
 
 async def alternate_ttft(prompts: list[list[int]], first: TtftOf, second: TtftOf) -> tuple[list[float], list[float]]:
     """Each prompt once on each side, alternating which goes first and pausing before each, so slow drifts of
-    the machine (they move a 128-token prefill by ~20 ms between runs) fall on both sides of every pair."""
+    the machine (they move a prefill's time between runs as much as the differences measured) fall on both sides
+    of every pair."""
     times: tuple[list[float], list[float]] = ([], [])
     sides = ((first, times[0]), (second, times[1]))
     for i, prompt in enumerate(prompts):

@@ -43,7 +43,7 @@ EXIT_AFTER_DRAIN_S = DRAIN_TIMEOUT_S + 10
 SERVER_FLAGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(64 * 1024**2)]
 SERVER_FLAGS += ["--drain-timeout", str(DRAIN_TIMEOUT_S)]
 # Each server gets one thread: they and the gateway share the machine's cores, and spinning OpenMP workers of
-# several processes on the same cores slow each other ~10x.
+# several processes on the same cores slow each other many times over.
 SERVER_ENV = {"HETEROSERVE_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 HEALTH = {"interval": 0.5, "timeout": 1.0, "failure_threshold": 2, "cooldown": 1.0}
 QUESTIONS = [

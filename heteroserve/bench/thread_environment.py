@@ -2,9 +2,10 @@
 
 The engine's C++ kernels run on a thread pool of their own (platforms/cpu/csrc/thread_pool.h), so OpenMP's variables
 should not move its speed; and an idle or waiting engine should leave the cores to a neighbour (the test suite
-runs a server beside the test process; two OpenMP processes that spin on 2 cores slowed each other ~10x). Each
-setting is a fresh `heteroserve bench latency` process, the settings alternate over the rounds (this machine's
-pace drifts from minute to minute), and the report gives each setting's median decode rate against the best.
+runs a server beside the test process; two OpenMP processes that spin on 2 cores slow each other many times
+over). Each setting is a fresh `heteroserve bench latency` process, the settings alternate over the rounds (this
+machine's pace drifts from minute to minute), and the report gives each setting's median decode rate against the
+best.
 "Beside a neighbour" starts two such processes together and reports each one's rate against the same round's
 rate alone: two engines that share 2 cores fairly each run at about half speed.
 """

@@ -7,7 +7,8 @@ single copy of the weights. The loop steps while there is work and sleeps on an 
 `from_config` builds the engine inside that thread too, so one thread alone ever runs torch's parallel
 regions: every other thread that does (loading the model on the main thread did) gets an OpenMP team of its
 own, and once libgomp manages more threads than there are cores its workers stop spinning between regions
-and sleep, which cost a 128-token prefill ~35 ms of wake-ups (docs/ARCHITECTURE.md, "The server").
+and sleep, so that every parallel region of a step pays for waking them (docs/ARCHITECTURE.md, "The server";
+the cost is in bench/README.md, "Figures behind the code's choices").
 """
 
 from __future__ import annotations

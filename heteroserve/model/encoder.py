@@ -76,8 +76,8 @@ class EncoderArch:
 class SequenceLayout:
     """Where each sequence of a step lies among the flattened tokens. Attention runs sequence by sequence through
     the platform's bidirectional attention (on the CPU our prefill kernel on the GEMM tile, with every key
-    visible): on 30 sequences of 32-512 tokens it took 13-50 ms a layer where torch's scaled_dot_product_attention
-    over neighbours of similar length, padded into one call, took 18-93 ms (head sizes 32 and 64)."""
+    visible): no padding to compute, where torch's scaled_dot_product_attention over neighbours of similar length
+    padded into one call spends arithmetic on the pads (bench/README.md, "Figures behind the code's choices")."""
 
     rows: list[slice]
 

@@ -52,7 +52,8 @@ class StructuredOutputManager:
         self.compiler = compiler
         self._requests: dict[str, _Constrained] = {}
         self._width = llguidance.numpy.get_bitmask_shape(1, compiler.tokenizer.vocab_size)[1]
-        # Masks of a step are computed on every core, outside the GIL: ~0.2 ms each for a JSON string's wide mask.
+        # Masks of a step are computed on every core, outside the GIL: a JSON string's mask admits most of the
+        # vocabulary, the expensive kind (bench/README.md, "Structured outputs").
         self._executor = llguidance.LLExecutor(num_threads=len(os.sched_getaffinity(0)))
         # ... from a thread of their own, so that they overlap the model's step (llguidance leaves the GIL).
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")

@@ -124,5 +124,5 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     media.add_argument("--max-image-bytes", type=int, default=20 * 1024**2, help="largest encoded image accepted")
     EngineArgs.add_cli_args(parser)
     # A server's clients wait for their first token: a burst is prefilled in steps of 256 prompt tokens, so the
-    # first clients start early (scenario C: TTFT p50 0.63x, same throughput; bench/results/burst_prefill/).
+    # first clients start decoding while the rest prefill, at the same throughput (README, the flag's row).
     parser.set_defaults(max_prefill_tokens_per_step=SERVER_PREFILL_TOKENS_PER_STEP)

@@ -163,8 +163,9 @@ def _inverse_transform(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
     """For each row, the token where the running sum of its probabilities first exceeds uniform x their total: a
     draw from the row's distribution with one uniform number (from the row's own generator). The running sum
     goes by blocks of SUM_BLOCK tokens (block totals summed in float64, then one block's tokens), so no rounding
-    over a 150k vocabulary moves a token's share, and a step reads the probabilities about twice. An exponential
-    race (argmax p / E) drew E for every token instead: ~1 ms a row of 49152 on one core."""
+    over a 150k vocabulary moves a token's share, and a step reads the probabilities about twice. One uniform number
+    a row, not an exponential race (argmax p / E) that draws E for every token of the vocabulary (the timings are
+    in bench/results/HISTORY.md)."""
     rows, vocab = probs.shape
     blocks = -(-vocab // SUM_BLOCK)
     padded = torch.nn.functional.pad(probs, (0, blocks * SUM_BLOCK - vocab)).view(rows, blocks, SUM_BLOCK)
@@ -196,8 +197,9 @@ def token_bitmask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[rows, vocab_size] float: 0 for the tokens int32 words [rows, words] allow (bit b of word w: token 32w+b),
     -inf for the others and for tokens past the words' end (a vocabulary wider than the grammar's tokenizer).
 
-    One row of a byte table per byte of the words: ~1.7 ms for 64 rows of a 49k vocabulary on 2 cores, where a
-    boolean masked_fill_ took ~7 ms. The bytes are read little-endian, as every supported CPU stores them."""
+    One row of a byte table per byte of the words, added in place: a table lookup per byte instead of a boolean
+    mask of the whole vocabulary for masked_fill_ (bench/README.md, "Structured outputs", has the timings). The
+    bytes are read little-endian, as every supported CPU stores them."""
     table = _BYTE_BIAS.to(bitmask.device)
     rows = bitmask.shape[0]
     bias = table.index_select(0, bitmask.contiguous().view(torch.uint8).reshape(-1).long()).reshape(rows, -1)
@@ -219,7 +221,8 @@ def apply_token_bitmasks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch
 
 
 # Top-k / top-p look at the most likely tokens first; a full sort of the vocabulary happens only where these do
-# not hold the top-p mass (a flat distribution). On 64 x 49152 logits, one thread: topk(1024) ~28 ms, sort ~240.
+# not hold the top-p mass (a flat distribution): a top-k of the candidates costs a fraction of a full sort
+# (bench/README.md, "Figures behind the code's choices").
 TOP_CANDIDATES = 1024
 
 

@@ -2,7 +2,8 @@
 float32 or 4-bit projections, or bfloat16 activations with packed bfloat16 projections.
 
 The kernels are the ones the model otherwise calls one at a time; what goes is the Python between them: at one
-token a step, ~20 operator calls a layer from Python cost about a quarter of the step's time.
+token a step the ~20 operator calls a layer makes from Python are a share of the step worth removing, most of all
+with 4-bit weights, whose products are shortest (docs/PLATFORMS.md has the figures).
 """
 
 from __future__ import annotations

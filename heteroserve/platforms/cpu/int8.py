@@ -67,9 +67,9 @@ class CpuInt8Weight:
 class CpuGroupedInt8Weight:
     """Grouped 8-bit weights (GGUF Q8_0 and the 5/6-bit types kept at 8 bits, grouped GPTQ 8-bit, a tied Q8_0 LM
     head) kept at 8 bits and multiplied in float32 arithmetic. Up to `KERNEL_MAX_ROWS` rows (decode) the C++
-    kernel reads them in place: SmolLM2's 49152 x 576 head at one row took 1.2 ms against float32 oneDNN's 5.0.
+    kernel reads them in place, a quarter of the bytes of a float32 copy, which bounds decode rows.
     Larger batches dequantise 32 output rows at a time into a panel of the float32 GEMM and multiply there
-    (int8_panel_linear, AVX-512 builds; the head at 64 rows in ~18 against ~26 ms); elsewhere `SLICE_ROWS` output
+    (int8_panel_linear, AVX-512 builds; docs/QUANTIZATION.md has the timings); elsewhere `SLICE_ROWS` output
     rows at a time exactly into a float32 buffer small enough to stay in cache, for torch's mm. Either way no
     float copy of the weight exists.
     torch's int8 kernel would round activations to bfloat16, which changed the default model's answers."""
@@ -115,7 +115,7 @@ class CpuGroupedInt8Weight:
             count = rows.stop - start
             grouped = buffer[:count]
             zero = None if w.zero is None else w.zero[rows]
-            if one_pass:  # one C++ pass (torch's mul converts the int8 to float first: ~2.5x the time)
+            if one_pass:  # one C++ pass (torch's mul converts the int8 to a float copy first, then multiplies)
                 torch.ops.heteroserve.int8_grouped_dequantize(w.q[rows], w.scale[rows], zero, grouped.view(count, k))
             else:
                 torch.mul(w.q[rows].view(count, groups, w.group_size), w.scale[rows, :, None], out=grouped)

@@ -1,7 +1,7 @@
 """Prebuilt builds of the CPU platform's C++ kernels, for machines that cannot build their own.
 
 A container image has no compiler and a read-only root, so the library cannot be built where it runs; without
-it every operator falls back to torch's reference (scenario B of the benchmark ran 1.9x slower that way).
+it every operator falls back to torch's reference, which is much slower (bench/README.md, `--kernels reference`).
 `heteroserve build-kernels --prebuilt` compiles the library once per instruction-set level of the machine's
 architecture (the x86-64 psABI levels, as distributions and llama.cpp's CPU variants do) into
 $HETEROSERVE_PREBUILT_KERNELS, or share/heteroserve/cpu-kernels under the Python environment, which the image

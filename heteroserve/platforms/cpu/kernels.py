@@ -1,14 +1,13 @@
 """The CPU platform's C++ kernels (csrc/), compiled into one library on first use.
 
 - `decode_attention` (csrc/paged_decode_attention.cpp): the reference gathers every request's K/V blocks into
-  a padded batch and runs SDPA over it; in scenario B (64 requests, ~140 tokens) that copy alone took ~26 ms of
-  a ~178 ms decode step. The kernel reads the cache in place.
-- `prefill_attention` (csrc/prefill_attention.cpp): prompt attention on the GEMM's register tile in float32; torch's
-  SDPA ran 128-token prompts at ~70 GFLOP/s here.
+  a padded batch and runs SDPA over it, a copy of the whole cache a step; the kernel reads the cache in place.
+- `prefill_attention` (csrc/prefill_attention.cpp): prompt attention on the GEMM's register tile in float32,
+  faster than torch's SDPA at these head sizes (docs/PLATFORMS.md, "CPU kernels").
   `bidirectional_attention` runs an encoder's sequence on the same kernel with every key visible.
 - `rms_norm`, `silu_and_mul`, `rotary` (csrc/fused_elementwise.cpp): one pass over memory each instead of the
-  reference's chain of torch operators. `argmax_rows` (csrc/argmax_rows.cpp): greedy tokens from the logits: 0.8
-  against torch's `max`'s 2.1 ms over scenario B's 64 x 49152 logits (2-core Xeon).
+  reference's chain of torch operators. `argmax_rows` (csrc/argmax_rows.cpp): greedy tokens from the logits in one
+  vector pass a row, where torch's `max` reduces more slowly (docs/PLATFORMS.md, "CPU kernels").
 - Activations in float32 or bfloat16 (OPERATOR_DTYPES; paged decode attention also float16): bfloat16 values are
   widened as they are read, computed in float32 and rounded once when stored (vector_math.h: AVX512-BF16's
   conversion where -march=native has it, the same rounding in portable code elsewhere).
@@ -56,7 +55,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"))
 HEADERS = sorted(CSRC.glob("*.h"))
 # No -fopenmp: the kernels run on their own thread pool (csrc/thread_pool.h), whatever OpenMP's settings are;
-# reassociation lets dot products and sums vectorise as trees (a serial lane-by-lane sum made the kernel 2x slower).
+# reassociation lets dot products and sums vectorise as trees instead of a serial lane-by-lane sum.
 CFLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The dtypes of the other operators' kernels (norms, rotary, SiLU, prefill attention, argmax).

@@ -2,10 +2,9 @@
 (csrc/bf16_packed_linear.cpp: AVX512-BF16's dot-product instruction, elsewhere the pairs widened in registers),
 both on the kernels' own thread pool.
 
-Measured on a 2-core Intel Xeon (AVX-512, no BF16), all of SmolLM2's projections and its LM head with the
-weights streamed from memory (ms per forward's worth of products, same run): 1 row 20.3 vs oneDNN's packed
-24.7, 8 rows 25.7 vs 32.5, 16 rows 30.9 vs 38.2, 64 rows 77.9 vs 85.2, 2048 rows 2550 vs 2606. oneDNN's
-layout also read ~15 GB/s at one row in some runs, where this one streams at ~27 GB/s.
+One layout serves every row count: each product reads the weight as one sequential stream, so a decode row reads
+it at the memory's pace, and oneDNN's packed layout is not needed beside it (the comparison, row count by row
+count, is in bench/results/HISTORY.md, "Linear layers"; docs/PLATFORMS.md, "CPU kernels", has the read rates).
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ from heteroserve.quantization.weight import CompressedWeight
 logger = logging.getLogger(__name__)
 
 # How long a kernel thread waits for the next kernel before it sleeps: the kernels of one step follow each other
-# within microseconds, the next step comes after milliseconds of Python (bench/results/kernel_threads/).
+# within microseconds, the next step comes after milliseconds of Python
+# (bench/results/kernel_threads-amd-epyc-zen4-2026-12-02-ae38d6e/).
 DEFAULT_KERNEL_SPIN_US = 200
 # Kernel flag -> the name people know; the flags that decide which kernels and dtypes are fast.
 ISA_NAMES = {
@@ -230,8 +231,8 @@ class CpuLinear(LinearOp):
         else:
             prepared = self.prepare(weight)
         if isinstance(prepared, CpuPackedWeight) and self.dtype != torch.float32:
-            # bfloat16 logits are 1/8 apart near 20: the default model's teacher-forced argmax agreed with its
-            # float32 run at 97.8% of the workload's positions, with float32 logits at 98.8% (bench quality)
+            # bfloat16 logits are 1/8 apart near 20, close enough to swap the argmax of near ties: float32
+            # logits agree with the float32 model more often (`bench quality`; bench/results/HISTORY.md)
             return dataclasses.replace(prepared, float_output=True)
         return prepared
 
@@ -352,7 +353,8 @@ class CpuPlatform(Platform):
         then sleep; OpenMP's variables (OMP_WAIT_POLICY, GOMP_SPINCOUNT) do not reach it."""
         self.threads = process_threads()
         # torch's team starts only if assign_threads asks for it: under OMP_WAIT_POLICY=ACTIVE its threads, once
-        # started, spin for the process's life (a 0.58x decode beside the pool, bench/results/kernel_threads/).
+        # started, spin for the process's life against the pool's threads on the same cores
+        # (bench/results/kernel_threads-amd-epyc-zen4-2026-12-02-ae38d6e/).
         own_kernels = cpu_kernels.load_library()
         torch.set_num_threads(1 if own_kernels else self.threads)
         if own_kernels:
@@ -363,9 +365,10 @@ class CpuPlatform(Platform):
         """One team of threads owns the cores. Where our GEMM runs the products (float32 or bfloat16 activations
         with the C++ library loaded) the C++ kernels' pool runs every product, attention and norm, and torch's operators
         (the glue between them) get one thread: an OpenMP team beside the pool spins after each parallel torch
-        operator on the cores the pool needs, which made scenario B as shipped ~1.4x slower
-        (bench/results/kernel_threads/). Where oneDNN or the torch reference runs them, torch's team gets the
-        threads and the pool keeps only its caller's thread so as not to spin against it."""
+        operator on the cores the pool needs, and the pool's kernels wait for those cores
+        (bench/results/kernel_threads-amd-epyc-zen4-2026-12-02-ae38d6e/, docs/PLATFORMS.md, "CPU kernels").
+        Where oneDNN or the torch reference runs them, torch's team gets the threads and the pool keeps only its
+        caller's thread so as not to spin against it."""
         if cpu_kernels.load_library():
             _, spin_us = torch.ops.heteroserve.kernel_thread_settings()
             own_products = kernels == "auto" and (

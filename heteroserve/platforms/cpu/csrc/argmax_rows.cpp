@@ -1,7 +1,7 @@
 // The index of each row's largest value, as torch's `max(dim=-1).indices` gives it (the first of equal maxima;
-// the first NaN where a row has one), for greedy decoding's one pass over the logits a step. torch's reduction
-// took ~2.1 ms of a ~106 ms step over scenario B's 64 x 49152 float32 logits on a 2-core Xeon, this ~0.8 ms:
-// each row is one vector pass for its maximum and a second, mostly from L2, for where it first occurs.
+// the first NaN where a row has one), for greedy decoding's one pass over the logits a step, faster than torch's
+// reduction (docs/PLATFORMS.md, "CPU kernels"): each row is one vector pass for its maximum and a second, mostly
+// from L2, for where it first occurs.
 
 #include "thread_pool.h"
 #include <ATen/core/Tensor.h>

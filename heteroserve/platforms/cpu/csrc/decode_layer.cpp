@@ -1,8 +1,8 @@
 // One decoder layer for a batch of decode tokens in a single call: the same kernels the model's Python path
 // calls one by one (RMSNorm, the float32, bfloat16 or 4-bit GEMMs, rotary, KV write, paged decode attention,
-// SiLU-and-multiply), chained here. At one token a step the ~20 operator calls a layer makes from Python cost
-// about a fifth of the step (the default model on a 2-core Xeon: 26.7 against 30.6 ms a token in float32, 9.2
-// against 11.9 with 4-bit weights); chained in C++ they cost a few microseconds.
+// SiLU-and-multiply), chained here. At one token a step the ~20 operator calls a layer makes from Python are a
+// share of the step worth removing (docs/PLATFORMS.md, "The fused decode layer", has the figures); chained in
+// C++ they cost a few microseconds.
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>

@@ -1,8 +1,8 @@
 // y = x W^T + b in float32 with W packed once at load into column panels: panel p holds output columns
 // [p * NR, p * NR + NR) as K consecutive runs of NR weights, so every product reads the whole weight as one
 // sequential stream. One kernel serves every batch size: a single decode row is bound by reading the weight
-// (the stream keeps the hardware prefetchers busy; oneDNN's packed layout read ~15 GB/s at one row on an Intel
-// Xeon where this reads at the memory's pace), 64+ rows are bound by multiplies (a tile of MR rows by NR columns
+// (the stream keeps the hardware prefetchers busy, where oneDNN's packed layout reads below the memory's pace at
+// one row: docs/PLATFORMS.md, "CPU kernels"), 64+ rows are bound by multiplies (a tile of MR rows by NR columns
 // is kept in registers, the panel in L2, the rows' slice of x in L1/L2).
 
 #include "thread_pool.h"

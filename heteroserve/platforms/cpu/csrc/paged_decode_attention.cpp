@@ -197,11 +197,9 @@ void for_each_head_row(const cache_t* cache, const Shape& s, const Workspace& ws
 
 // float32 or bfloat16 queries (widened once, outputs rounded once) with a head size of D, a whole number of machine
 // vectors: each K and V row is held in registers and dotted with / added to every query head of its group (of
-// every row of the item) without run-time loop bounds. 1.15-1.2x faster than `attend` on scenario B's float32
-// decode steps (Intel Xeon, AVX-512), which then read the cache at ~23 of the ~28 GB/s a plain read of the same
-// blocks reaches; 2.4x with bfloat16 (AMD EPYC: 0.45 against 1.08 ms a layer). kOneRow: the item is one row
-// (every step without drafts), compiled without the per-row loop and mask test, which cost plain decoding 5-40%
-// of its attention time.
+// every row of the item) without run-time loop bounds, so a decode step reads the cache close to the memory's pace
+// (docs/PLATFORMS.md, "CPU kernels", has the figures against `attend`). kOneRow: the item is one row (every step
+// without drafts), compiled without the per-row loop and mask test that only draft rows need.
 template <int D, bool kOneRow, typename scalar_t, typename cache_t>
 void attend_vectors(const Item<scalar_t>& item, const cache_t* k_cache, const cache_t* v_cache, const Shape& s,
                     float scale, Workspace& ws) {

@@ -1,7 +1,7 @@
 // Prefill attention in float32: one prompt chunk's queries over its keys (the cached prefix, then the chunk),
 // both products run by the GEMM's register tile (packed_tile.h); bfloat16 inputs are widened as they are read and
-// each output row is rounded once. torch's flash-attention kernel for CPU reached
-// 71 GFLOP/s on 128-token prompts and 158 on 2048 tokens (Intel Xeon, 2 threads, SmolLM2's 9 heads of 64).
+// each output row is rounded once. torch's flash-attention kernel for CPU runs these head sizes at a
+// lower rate than the GEMM's tile (docs/PLATFORMS.md, "CPU kernels").
 //
 // Each KV head's keys and values are packed once per call into the tile's panel layout: K as
 // [keys / NR][D][NR] (the scores q K^T are then the GEMM x W^T with W = K), V as [D / NR][keys][NR]. Work

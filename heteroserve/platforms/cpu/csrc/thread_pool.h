@@ -3,8 +3,9 @@
 // OpenMP's wait policy is whatever the environment says: with OMP_WAIT_POLICY=PASSIVE every parallel region
 // wakes sleeping threads through the kernel (batch-1 decode at half speed), with the default policy its threads
 // spin for a long while after each region, and two processes on the same cores then wait on each other's
-// spinning threads (~10x slower each). The pool decides for itself: a worker spins for a short budget after a
-// job (the next kernel of a step starts within microseconds), then sleeps on a futex until the next one.
+// spinning threads (many times slower each: bench/results/HISTORY.md). The pool decides for itself: a worker
+// spins for a short budget after a job (the next kernel of a step starts within microseconds), then sleeps on a
+// futex until the next one.
 // Work is claimed chunk by chunk from a shared counter, so a worker that is asleep or descheduled never holds
 // the caller up: the caller runs the chunks nobody has taken, and yields its core while it waits for a chunk
 // another thread has started.

@@ -36,7 +36,7 @@ inline vec load(const float* p) {
 
 // kLanes bfloat16 values widened to float32: their bits are the top half of a float's.
 inline vec load(const c10::BFloat16* p) {
-#if defined(__AVX512F__)  // GCC 12's code for the generic vectors below made decode attention 1.3x slower
+#if defined(__AVX512F__)  // GCC 12's code for the generic vectors below is slower here (docs/PLATFORMS.md)
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
 #elif defined(__AVX2__)
