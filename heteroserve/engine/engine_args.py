@@ -115,8 +115,8 @@ class EngineArgs:
     enable_chunked_prefill: bool = _setting(True, "split long prompts over steps, alongside decoding requests")
     kv_cache_memory_bytes: int | str | None = _setting(
         None,
-        "bytes for the KV block pool, e.g. 4GiB, 512MB or 1073741824 (CPU default: 2 GiB); overrides "
-        "--gpu-memory-utilization",
+        "bytes for the KV block pool, e.g. 4GiB, 512MB or 1073741824 (CPU default: what max_num_seqs requests of "
+        "max_model_len take, at most 2 GiB and a quarter of available memory); overrides --gpu-memory-utilization",
         parse=byte_size,
         metavar="BYTES",
     )

@@ -100,15 +100,22 @@ class Platform:
         """(free, total) bytes of the device's memory."""
         return self.device_module().mem_get_info()
 
-    def kv_cache_budget_bytes(self, requested: int | None, memory_utilization: float | None = None) -> int:
+    def kv_cache_budget_bytes(
+        self, requested: int | None, memory_utilization: float | None = None, wanted: int | None = None
+    ) -> int:
         """Bytes for the KV block pool: the user's figure, else what the utilisation share of the device's
-        memory leaves once the weights are loaded (vLLM's --gpu-memory-utilization)."""
+        memory leaves once the weights are loaded (vLLM's --gpu-memory-utilization). `wanted`: what the engine's
+        limits can fill (max_num_seqs requests of max_model_len); a device takes its share regardless, as vLLM."""
         if requested is not None:
             return requested
         share = memory_utilization if memory_utilization is not None else self.memory_utilization
         free, total = self.memory_info()
         in_use = total - free
         return max(int(total * share) - in_use, 0)
+
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed KV block pool tensor on the device (a masked slot is multiplied by zero, never read as garbage)."""
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     def synchronize(self) -> None:
         """Waits for queued device work (for timing)."""

@@ -63,8 +63,10 @@ class ModelRunner:
         seed: int,
         lora_config: LoRAConfig | None,
         max_num_batched_tokens: int,
+        max_num_seqs: int,
     ) -> None:
-        """max_num_batched_tokens: the scheduler's step budget, which a sliding window's KV group is sized by."""
+        """max_num_batched_tokens: the scheduler's step budget, which a sliding window's KV group is sized by;
+        max_num_seqs: the most requests running at once, which bounds what the KV cache can be asked to hold."""
         self.model = loaded.model
         self.arch = loaded.model.arch
         self.platform = platform
@@ -80,20 +82,30 @@ class ModelRunner:
             [i for i, spec in enumerate(self.arch.layers) if spec.sliding_window == window] for window in self.windows
         ]
         self.attn_backend = loaded.model.attn_backend  # lays out each layer's cache (kv_cache_shape)
+        needs = self._blocks_per_request(loaded.max_model_len, max_num_batched_tokens)
         budget = None
         if not cache_config.num_kv_blocks:
+            request_bytes = self._request_bytes(needs)
             budget = platform.kv_cache_budget_bytes(
-                cache_config.kv_cache_memory_bytes, cache_config.gpu_memory_utilization
+                cache_config.kv_cache_memory_bytes, cache_config.gpu_memory_utilization, max_num_seqs * request_bytes
             )
-        self.kv_groups = self._size_groups(
-            budget, cache_config.num_kv_blocks, loaded.max_model_len, max_num_batched_tokens
-        )
+            logger.info(
+                "KV cache: %.0f MiB, room for %.1f requests of max_model_len=%d at once (max_num_seqs=%d of them "
+                "would take %.0f MiB)%s",
+                budget / 2**20,
+                budget / request_bytes,
+                loaded.max_model_len,
+                max_num_seqs,
+                max_num_seqs * request_bytes / 2**20,
+                "" if cache_config.kv_cache_memory_bytes is not None else "; --kv-cache-memory-bytes sets it",
+            )
+        self.kv_groups = self._size_groups(budget, cache_config.num_kv_blocks, needs, loaded.max_model_len)
         self.num_blocks = self.kv_groups[0].num_blocks  # the full-attention layers' where the model has any
         # One tensor per group [its layers, 2, *the backend's layer shape]; layer i reads its slice. Where the values
         # are the keys' first dimensions (latent attention), one plane instead of 2, read as both.
         planes = 1 if self.arch.values_in_keys else 2
         self.kv_caches = [
-            torch.zeros(
+            platform.allocate_kv_cache(
                 (
                     len(layers),
                     planes,
@@ -101,8 +113,7 @@ class ModelRunner:
                         group.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim
                     ),
                 ),
-                dtype=self.cache_dtype,
-                device=self.device,
+                self.cache_dtype,
             )
             for layers, group in zip(self.group_layers, self.kv_groups, strict=True)
         ]
@@ -128,26 +139,31 @@ class ModelRunner:
         block = math.prod(self.attn_backend.kv_cache_shape(1, self.block_size, a.num_kv_heads, a.head_dim))
         return planes * layers * block * self.cache_dtype.itemsize
 
-    def _size_groups(
-        self, budget: int | None, num_kv_blocks: int | None, max_model_len: int, max_num_batched_tokens: int
-    ) -> list[KVGroupSpec]:
-        """Blocks per KV group: `num_kv_blocks` each where given; otherwise the budget is shared so that every group
-        holds the same number of requests at max_model_len, a window's group counting only what its window and one
-        step's tokens need (min(max_model_len, window - 1 + max_num_batched_tokens) tokens and a block)."""
+    def _blocks_per_request(self, max_model_len: int, max_num_batched_tokens: int) -> list[int]:
+        """Blocks one request of max_model_len takes in each KV group: a window's group only what its window and
+        one step's tokens need (min(max_model_len, window - 1 + max_num_batched_tokens) tokens and a block)."""
         bs = self.block_size
-        needs = [
+        return [
             -(-max_model_len // bs)
             if w is None
             else min(-(-max_model_len // bs), -(-(w - 1 + max_num_batched_tokens) // bs) + 1)
             for w in self.windows
         ]
+
+    def _request_bytes(self, needs: list[int]) -> int:
+        """Bytes one request of max_model_len takes over every group."""
+        return sum(n * self.bytes_per_block(len(layers)) for n, layers in zip(needs, self.group_layers, strict=True))
+
+    def _size_groups(
+        self, budget: int | None, num_kv_blocks: int | None, needs: list[int], max_model_len: int
+    ) -> list[KVGroupSpec]:
+        """Blocks per KV group: `num_kv_blocks` each where given; otherwise the budget is shared so that every group
+        holds the same number of requests at max_model_len (`needs`: one request's blocks in each group)."""
+        bs = self.block_size
         if num_kv_blocks:
             counts = [num_kv_blocks] * len(self.windows)
         else:
-            per_request = sum(
-                n * self.bytes_per_block(len(layers)) for n, layers in zip(needs, self.group_layers, strict=True)
-            )
-            requests = budget / per_request
+            requests = budget / self._request_bytes(needs)
             counts = [int(requests * n) for n in needs]
         for window, count, need in zip(self.windows, counts, needs, strict=True):
             if count < need:

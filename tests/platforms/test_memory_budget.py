@@ -1,4 +1,6 @@
-"""How big the KV block pool is: a fixed size on CPU, a share of device memory elsewhere (--gpu-memory-utilization)."""
+"""How big the KV block pool is: on the CPU what the engine's limits can fill (max_num_seqs requests of
+max_model_len) within a cap, with pages taken as blocks are written; a share of device memory elsewhere
+(--gpu-memory-utilization)."""
 
 from __future__ import annotations
 
@@ -7,12 +9,14 @@ import logging
 import pytest
 import torch
 
-from heteroserve.config import CacheConfig
+from heteroserve import LLM
+from heteroserve.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig
 from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.entrypoints.openai.server_args import make_parser
-from heteroserve.platforms.cpu.platform import CpuPlatform
+from heteroserve.platforms.cpu.platform import CpuPlatform, host_memory
 from heteroserve.platforms.interface import Platform
 from heteroserve.worker.model_runner import kv_cache_dtype
+from tests.model.tiny_models import save_tiny
 
 GiB = 1024**3
 
@@ -38,6 +42,40 @@ def test_cpu_budget_ignores_the_device_share_and_says_so(caplog):
     with caplog.at_level(logging.WARNING):
         assert CpuPlatform().kv_cache_budget_bytes(None, 0.5) == CpuPlatform().kv_cache_budget_bytes(None)
     assert "kv_cache_memory_bytes" in caplog.text
+
+
+def test_cpu_budget_is_what_the_limits_can_fill_within_its_cap():
+    cpu = CpuPlatform()
+    assert cpu.kv_cache_budget_bytes(None, wanted=100 * 1024**2) == 100 * 1024**2
+    cap = min(DEFAULT_CPU_KV_CACHE_BYTES, host_memory()[0] // 4)
+    assert cpu.kv_cache_budget_bytes(None, wanted=64 * GiB) == cap == cpu.kv_cache_budget_bytes(None)
+    assert cpu.kv_cache_budget_bytes(3 * GiB, wanted=1024) == 3 * GiB  # an explicit size wins
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_cpu_kv_cache_takes_host_pages_as_blocks_are_written():
+    """A 1 GiB pool costs almost nothing resident until written; it reads as zeros and is 64-byte aligned."""
+    before = resident_bytes()
+    pool = CpuPlatform().allocate_kv_cache((2, 2, 2048, 16, 64, 64), torch.float32)  # 1 GiB
+    assert resident_bytes() - before < 64 * 1024**2
+    assert pool.data_ptr() % 64 == 0 and pool.shape == (2, 2, 2048, 16, 64, 64)
+    assert not pool[:, :, ::97].any()
+    pool[0, 0, 5] = 1.0
+    assert pool.sum() == 16 * 64 * 64
+    half = CpuPlatform().allocate_kv_cache((3, 64), torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and half.data_ptr() % 64 == 0 and not half.any()
+
+
+def test_the_engine_sizes_the_cpu_cache_for_max_num_seqs_requests(tmp_path, caplog):
+    tiny = save_tiny("qwen2", tmp_path)
+    with caplog.at_level(logging.INFO):
+        llm = LLM(model=str(tiny.folder), dtype="float32", max_model_len=64, block_size=16, max_num_seqs=3)
+    assert llm.engine.executor.worker.runner.num_blocks == 3 * 64 // 16
+    assert "room for 3.0 requests of max_model_len=64" in caplog.text and "--kv-cache-memory-bytes" in caplog.text
 
 
 def test_flag_reaches_the_cache_config_and_is_checked():

@@ -7,10 +7,12 @@ import ctypes
 import dataclasses
 import functools
 import logging
+import math
 import os
 import platform as pyplatform
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from heteroserve.config import DEFAULT_CPU_KV_CACHE_BYTES
@@ -27,6 +29,7 @@ from heteroserve.quantization.int8 import Int8Weight
 from heteroserve.quantization.weight import CompressedWeight
 
 logger = logging.getLogger(__name__)
+KV_CACHE_ALIGNMENT = 64  # bytes: what torch's CPU allocator gives every tensor
 
 # How long a kernel thread waits for the next kernel before it sleeps: the kernels of one step follow each other
 # within microseconds, the next step comes after milliseconds of Python
@@ -327,12 +330,28 @@ class CpuPlatform(Platform):
             return fuse_decode_layer
         return None
 
-    def kv_cache_budget_bytes(self, requested: int | None, memory_utilization: float | None = None) -> int:
-        """Host memory is shared with everything else on the machine, so the CPU budget is a fixed size
-        (as vLLM's VLLM_CPU_KVCACHE_SPACE), never a share of RAM."""
+    def kv_cache_budget_bytes(
+        self, requested: int | None, memory_utilization: float | None = None, wanted: int | None = None
+    ) -> int:
+        """Host memory is shared with everything else on the machine, so the CPU never takes a share of RAM: unless
+        the user sets the size, the pool holds what the engine's limits can fill (`wanted`: max_num_seqs requests
+        of max_model_len), at most DEFAULT_CPU_KV_CACHE_BYTES (as vLLM's VLLM_CPU_KVCACHE_SPACE) and a quarter of
+        the memory available now."""
         if memory_utilization is not None:
             logger.warning("gpu_memory_utilization is for devices; on CPU set kv_cache_memory_bytes instead")
-        return requested if requested is not None else DEFAULT_CPU_KV_CACHE_BYTES
+        if requested is not None:
+            return requested
+        available, _ = self.memory_info()
+        return min(DEFAULT_CPU_KV_CACHE_BYTES, available // 4, *([wanted] if wanted is not None else []))
+
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Zeroed host memory that the OS backs page by page as blocks are first written: calloc of a large size
+        maps fresh zero pages without touching them (numpy's zeros is calloc), so the pool costs resident memory
+        only as requests fill it. 64-byte aligned, as torch's own allocations, for the kernels' vector loads."""
+        size = math.prod(shape) * dtype.itemsize
+        words = np.zeros(size + KV_CACHE_ALIGNMENT, dtype=np.uint8)
+        start = -words.ctypes.data % KV_CACHE_ALIGNMENT
+        return torch.from_numpy(words[start : start + size]).view(dtype).view(shape)
 
     def memory_info(self) -> tuple[int, int]:
         return host_memory()
