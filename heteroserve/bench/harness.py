@@ -33,9 +33,9 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
 
 
 def engine_requests(engine: LLMEngine, args, scenario: str, num: int):
-    if args.input_len >= engine.max_model_len:
-        raise SystemExit(f"--input-len {args.input_len} does not fit max_model_len={engine.max_model_len}")
-    return dataset(engine.tokenizer, engine.vocab_size, args, scenario, num)
+    if args.input_len >= engine.model.max_model_len:
+        raise SystemExit(f"--input-len {args.input_len} does not fit max_model_len={engine.model.max_model_len}")
+    return dataset(engine.model.tokenizer, engine.model.vocab_size, args, scenario, num)
 
 
 def dataset(tokenizer, vocab_size: int, args, scenario: str, num: int):
@@ -59,7 +59,7 @@ def runnable_peers(engine: LLMEngine, args, result: dict):
         if name == "hf":
             from heteroserve.bench.hf_peer import HFPeer
 
-            yield name, HFPeer(source, engine.dtype)
+            yield name, HFPeer(source, engine.model.dtype)
             continue
         if name == "vllm":
             from heteroserve.bench.hf_folder import hf_checkpoint_folder
@@ -70,7 +70,7 @@ def runnable_peers(engine: LLMEngine, args, result: dict):
                 print(f"skipping the vllm peer: {missing}")
                 result["peers"][name] = {"skipped": missing}
                 continue
-            yield name, VLLMPeer(hf_checkpoint_folder(source), engine.dtype, engine.max_model_len)
+            yield name, VLLMPeer(hf_checkpoint_folder(source), engine.model.dtype, engine.model.max_model_len)
             continue
         from heteroserve.bench.llama_cpp_peer import LlamaCppPeer, llama_cpp_missing
 
@@ -79,8 +79,8 @@ def runnable_peers(engine: LLMEngine, args, result: dict):
             print(f"skipping the llama-cpp peer: {missing}")
             result["peers"][name] = {"skipped": missing}
             continue
-        dequantised = engine.config.model.quantization == "none"  # our weights in engine.dtype: the peer's too
-        yield name, LlamaCppPeer(source, engine.max_model_len, engine.dtype if dequantised else None)
+        dequantised = engine.config.model.quantization == "none"  # our weights in engine.model.dtype: the peer's too
+        yield name, LlamaCppPeer(source, engine.model.max_model_len, engine.model.dtype if dequantised else None)
 
 
 def median_round(rounds: list[T], key: Callable[[T], float]) -> T:

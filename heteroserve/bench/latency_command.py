@@ -59,8 +59,8 @@ def run_latency_bench(args) -> None:
     ours = _pooled_rounds(ours_rounds)
     result["latency_samples_ms"] = {"heteroserve inter-token": ours.pop("inter_token_samples_ms")}
     ours["quantization"] = engine.config.model.quantization or "as checkpoint"
-    ours["kv_cache_dtype"] = str(engine.kv_cache_dtype).removeprefix("torch.")
-    ours["weight_bytes"] = engine.weight_bytes
+    ours["kv_cache_dtype"] = str(engine.model.kv_cache_dtype).removeprefix("torch.")
+    ours["weight_bytes"] = engine.model.weight_bytes
     ours.update(speculative_fields(engine))
     result["heteroserve"] = ours
     for name, peer in peers:

@@ -57,7 +57,7 @@ def teacher_forced(llm: LLM, prompts: list[list[int]]) -> TeacherForced:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
         outputs: list[RequestOutput] = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, False)
         engine = llm.engine
-        operators = engine.platform.operator_table(engine.dtype).describe()
+        operators = engine.platform.operator_table(engine.model.dtype).describe()
         fallbacks = dict(engine.platform.operator_fallbacks)
     finally:
         llm.shutdown()

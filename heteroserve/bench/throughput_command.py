@@ -120,7 +120,7 @@ def _lora_rounds(engine: LLMEngine, requests, args, result: dict) -> None:
     from heteroserve.model.arch import ModelArch
 
     with tempfile.TemporaryDirectory(prefix="heteroserve-bench-lora-") as folder:
-        arch = ModelArch.from_hf_config(engine.hf_config)
+        arch = ModelArch.from_hf_config(engine.model.hf_config)
         adapters = write_random_adapters(arch, Path(folder), args.lora_adapters, args.lora_rank, args.seed)
         label = f"{len(adapters)} adapters of rank {args.lora_rank}"
         variant = (label, lambda: run_batch(engine, requests, lora=lambda i: adapters[i % len(adapters)]))
@@ -209,10 +209,10 @@ def _batch_fields(engine: LLMEngine, run: BatchRun, runs: list[BatchRun]) -> dic
         "steps": run.num_steps,
         "preemptions": run.num_preemptions,
         "rounds_prefix_cache_hit_tokens": [r.prefix_cache_hit_tokens for r in runs],
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(engine.model.kv_cache_dtype).removeprefix("torch."),
         "quantization": engine.config.model.quantization or "as checkpoint",
-        "weight_bytes": engine.weight_bytes,
+        "weight_bytes": engine.model.weight_bytes,
         **speculative_fields(engine),
     }
 

@@ -31,12 +31,12 @@ def _prompt(engine: LLMEngine, side: int) -> tuple[list[int], Image.Image]:
     pixels = np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)
     picture = Image.fromarray(pixels)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
-    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return engine.tokenizer.encode(text, add_special_tokens=False), picture
+    text = engine.model.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return engine.model.tokenizer.encode(text, add_special_tokens=False), picture
 
 
 def _ours(engine: LLMEngine, ids: list[int], picture: Image.Image, output_len: int, repeats: int) -> dict:
-    expanded, mm = engine.image_processor.process(ids, [picture])
+    expanded, mm = engine.processor.image_processor.process(ids, [picture])
     image = mm.images[0]
     encoder = engine.runner.images.encoder
     encode, prefill, decode = [], [], []
@@ -71,18 +71,18 @@ def _ours(engine: LLMEngine, ids: list[int], picture: Image.Image, output_len: i
 def _transformers(folder: str, engine: LLMEngine, ids: list[int], picture: Image.Image, output_len: int, repeats: int):
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=engine.dtype).eval()
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=engine.model.dtype).eval()
     model.generation_config.eos_token_id = None
-    expanded, mm = engine.image_processor.process(ids, [picture])
+    expanded, mm = engine.processor.image_processor.process(ids, [picture])
     image = mm.images[0]
     input_ids = torch.tensor([expanded])
     grid = torch.tensor([image.grid_thw])
     inputs = {
         "input_ids": input_ids,
         "attention_mask": torch.ones_like(input_ids),
-        "pixel_values": image.pixel_values.to(engine.dtype),
+        "pixel_values": image.pixel_values.to(engine.model.dtype),
         "image_grid_thw": grid,
-        "mm_token_type_ids": (input_ids == engine.image_processor.image_token_id).int(),
+        "mm_token_type_ids": (input_ids == engine.processor.image_processor.image_token_id).int(),
     }
     encode, prefill, decode = [], [], []
     for run in range(repeats + 1):
@@ -109,14 +109,14 @@ def run_vision_bench(args: argparse.Namespace) -> dict:
         args.mm_processor_kwargs = {"max_pixels": args.image_size**2}
     args.enable_prefix_caching = False
     engine = LLMEngine(EngineArgs.from_cli_args(args, args.model).create_engine_config())
-    if engine.image_processor is None:
+    if engine.processor.image_processor is None:
         raise SystemExit(f"{args.model} is not a vision-language model")
     ids, picture = _prompt(engine, args.image_size)
     result = {
         "model": str(args.model),
         "image_size": args.image_size,
         "output_len": args.output_len,
-        "dtype": str(engine.dtype).removeprefix("torch."),
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
         "threads": process_threads(),
         "heteroserve": _ours(engine, ids, picture, args.output_len, args.repeats),
     }

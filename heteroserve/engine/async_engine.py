@@ -21,11 +21,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from heteroserve.config import EngineConfig
+from heteroserve.engine.input_processor import InputProcessor
 from heteroserve.engine.llm_engine import LLMEngine, PromptInput
 from heteroserve.lora.request import LoRARequest
 from heteroserve.outputs import PoolingRequestOutput, RequestOutput
 from heteroserve.pooling_params import PoolingParams
 from heteroserve.sampling_params import SamplingParams
+from heteroserve.worker.worker import ModelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,16 @@ class AsyncLLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
         return cls(lambda: LLMEngine(config))
+
+    @property
+    def model(self) -> ModelInfo:
+        """What the workers loaded: name, tokenizer, max_model_len, vocabulary, task."""
+        return self.engine.model
+
+    @property
+    def processor(self) -> InputProcessor:
+        """Tokenizing, pooling prompts, LoRA checks: thread-safe, for a server's own threads."""
+        return self.engine.processor
 
     @property
     def is_alive(self) -> bool:

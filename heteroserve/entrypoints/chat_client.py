@@ -154,10 +154,10 @@ class LocalBackend:
     def stream(self, messages: list[dict], sampling: dict) -> Iterator[dict]:
         from heteroserve.sampling_params import RequestOutputKind
 
-        engine, tokenizer = self.llm.engine, self.llm.engine.tokenizer
+        engine, tokenizer = self.llm.engine, self.llm.engine.model.tokenizer
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
-        params = engine.default_sampling_params().clone(
+        params = engine.processor.default_sampling_params().clone(
             max_tokens=sampling.get("max_tokens"), output_kind=RequestOutputKind.DELTA
         )
         if "temperature" in sampling:

@@ -60,10 +60,10 @@ class LLM:
         self.engine.shutdown()
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.engine.model.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        return self.engine.default_sampling_params()
+        return self.engine.processor.default_sampling_params()
 
     def generate(
         self,
@@ -121,12 +121,12 @@ class LLM:
         As vLLM's: `continue_final_message` leaves the last message open for the model to go on (with
         add_generation_prompt=False); `chat_template_kwargs` are more variables for the template; `tools` (OpenAI's
         function definitions) go to the template, and the output text is the model's, tool calls unparsed."""
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.engine.model.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
-        policy = replace(self.engine.media, allowed_local_path=self._local_media)
+        policy = replace(self.engine.processor.media, allowed_local_path=self._local_media)
         for conversation in conversations:
             conversation, images = split_images(conversation, policy)
             text = tokenizer.apply_chat_template(
@@ -154,7 +154,8 @@ class LLM:
         the default task is the model's (embed for an embedding model, score for a cross-encoder)."""
         prompts = _as_prompt_list(prompts)
         if pooling_params is None:
-            pooling_params = PoolingParams(task=self.engine.task if self.engine.task != "generate" else "embed")
+            task = self.engine.model.task
+            pooling_params = PoolingParams(task=task if task != "generate" else "embed")
         params = list(pooling_params) if isinstance(pooling_params, Sequence) else [pooling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} pooling params for {len(prompts)} prompts")
@@ -215,10 +216,9 @@ class LLM:
             first = first * len(second)
         if len(first) != len(second):
             raise ValueError(f"score pairs texts one to one or one to many: got {len(first)} and {len(second)} texts")
-        if self.engine.task == "score":
-            prompts = [
-                self.engine.tokenize_pair(a, b, truncate_prompt_tokens) for a, b in zip(first, second, strict=True)
-            ]
+        if self.engine.model.task == "score":
+            pairs = zip(first, second, strict=True)
+            prompts = [self.engine.processor.tokenize_pair(a, b, truncate_prompt_tokens) for a, b in pairs]
             params = PoolingParams(task="score")
             return [
                 ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(float(o.outputs.data[0])))

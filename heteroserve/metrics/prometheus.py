@@ -208,7 +208,7 @@ class ServerMetrics:
         self.inference_time = histogram(
             "request_inference_time_seconds", "First scheduled to last token (prefill + decode).", _LATENCY_BUCKETS
         )
-        per_request = buckets_1_2_5(engine.max_model_len)
+        per_request = buckets_1_2_5(engine.model.max_model_len)
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", per_request)
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per request.", per_request
@@ -265,9 +265,9 @@ class ServerMetrics:
             self.request_success.labels(model_name, reason)
         for reason in ABORT_REASONS:
             self.request_aborted.labels(model_name, reason)
-        if engine.task != "generate":
-            self.pooling_requests.labels(model_name, engine.task)
-            self.pooling_prompt_tokens.labels(model_name, engine.task)
+        if engine.model.task != "generate":
+            self.pooling_requests.labels(model_name, engine.model.task)
+            self.pooling_prompt_tokens.labels(model_name, engine.model.task)
 
     def observe_params(self, n: int, max_tokens: int | None) -> None:
         """A generation request's sampling parameters, when it starts."""

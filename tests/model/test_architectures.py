@@ -280,7 +280,7 @@ def test_longrope_context_is_its_original_one(tmp_path):
     the context defaults to it and a longer one is refused, naming why."""
     tiny = save_tiny("phi3", tmp_path)
     assert tiny.reference.model.config.max_position_embeddings == 256
-    assert LLM(model=str(tiny.folder), num_kv_blocks=32).engine.max_model_len == 128
+    assert LLM(model=str(tiny.folder), num_kv_blocks=32).engine.model.max_model_len == 128
     with pytest.raises(ValueError, match="LongRoPE's long factors"):
         LLM(model=str(tiny.folder), max_model_len=200, num_kv_blocks=32)
 

@@ -207,7 +207,7 @@ def test_gguf_matches_transformers(gguf_model, greedy_comparison):
         quantization="none",
     )
     assert llm.get_tokenizer() is None  # no tokenizer metadata: token ids only
-    hf_config = llm.engine.hf_config
+    hf_config = llm.engine.model.hf_config
     assert hf_config.model_type == model.config.model_type
     assert hf_config.head_dim == model.config.head_dim
     assert hf_config.tie_word_embeddings == model.config.tie_word_embeddings

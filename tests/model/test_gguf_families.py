@@ -255,7 +255,7 @@ def _check_gguf(case: str, path: Path, model, compressed: bool, expected_type: s
         quantization="gguf" if compressed else "none",
         kernels="reference",
     )
-    hf_config = llm.engine.hf_config
+    hf_config = llm.engine.model.hf_config
     assert hf_config.model_type == expected_type
     assert hf_config.head_dim == model.config.head_dim
     assert hf_config.tie_word_embeddings == model.config.tie_word_embeddings

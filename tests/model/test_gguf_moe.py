@@ -312,7 +312,7 @@ def _check_gguf(case, path: Path, model, quantized: bool, comparison, dequantize
     dequantized.clear()
     llm = _llm(path, compressed=quantized)
 
-    hf_config = llm.engine.hf_config
+    hf_config = llm.engine.model.hf_config
     assert hf_config.model_type == model.config.model_type
     assert hf_config.num_hidden_layers == model.config.num_hidden_layers
     layers = _moe_layers(llm)
@@ -467,7 +467,7 @@ def _compare_with_llama_cpp(label: str, llm: LLM, theirs: Path, quantized: bool,
     a vocabulary). Float32 within 2e-3 of the largest logit everywhere. On quantised files llama.cpp rounds the
     activations to 8 bits, which flips the odd near-tied expert choice and moves that token's logits (and those
     attending to it) by whole units: within 0.15 at the median and at all but `max_off` of the positions."""
-    vocab = llm.engine.hf_config.vocab_size
+    vocab = llm.engine.model.hf_config.vocab_size
     prompt = prompts(9, [37], vocab)[0]
     output = run(llm, [prompt], greedy_params(vocab))[0]
     generated = list(output.outputs[0].token_ids)

@@ -52,7 +52,7 @@ def test_dtypes(tiny):
     supported = platform.supported_dtypes()
     if torch.bfloat16 in supported:
         llm = tiny.llm(dtype="bfloat16")
-        assert llm.engine.dtype == torch.bfloat16
+        assert llm.engine.model.dtype == torch.bfloat16
         ids = prompts(6, [16])[0]
         out = llm.generate(
             {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=4, logprobs=1), use_tqdm=False
@@ -66,4 +66,4 @@ def test_dtypes(tiny):
     for name in unsupported:
         with pytest.raises(ValueError, match=f"dtype {name} is not supported"):
             tiny.llm(dtype=name)
-    assert tiny.llm(dtype="auto").engine.dtype == torch.float32  # the checkpoint is float32
+    assert tiny.llm(dtype="auto").engine.model.dtype == torch.float32  # the checkpoint is float32

@@ -205,8 +205,8 @@ def test_qwen_checkpoint_chats_through_llm(qwen_ranks, tmp_path):
         reference, "You are a helpful assistant.", history, "Tell me a joke."
     )
     assert len(output.outputs[0].token_ids) == 3
-    assert llm.engine.eos_token_id == 151643
-    assert llm.engine.extra_eos_token_ids == [151645, 151644]  # a chat turn ends at <|im_end|>, as chat() stops
+    assert llm.engine.model.eos_token_id == 151643
+    assert llm.engine.model.extra_eos_token_ids == [151645, 151644]  # a chat turn ends at <|im_end|>, as chat() stops
 
 
 def test_unknown_remote_tokenizer_class_is_refused(tmp_path):
@@ -375,7 +375,7 @@ def test_chatglm3_checkpoint_chats_through_llm(tmp_path):
     assert output.prompt_token_ids == _pieces_reference(reference, [n + 1, n + 3, n + 6, "\n", "Hello there", n + 7])
     text = llm.generate("Hello there", params, use_tqdm=False)[0]
     assert text.prompt_token_ids == [n + 1, n + 3, *reference.encode("Hello there")]
-    assert llm.engine.eos_token_id == reference.eos_id()
+    assert llm.engine.model.eos_token_id == reference.eos_id()
 
 
 def test_chatglm_needs_its_sentencepiece_model(tmp_path):

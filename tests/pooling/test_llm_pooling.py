@@ -55,7 +55,7 @@ def test_embeddings_match_sentence_transformers(name, request):
     reference = SentenceTransformer(str(model.folder), device="cpu").encode(texts, convert_to_tensor=True)
     llm = LLM(str(model.folder))
     try:
-        assert llm.engine.task == "embed" and llm.engine.pooler_spec.pooling_type == model.pooling_type
+        assert llm.engine.model.task == "embed" and llm.engine.model.pooler_spec.pooling_type == model.pooling_type
         ours = embeddings(llm, texts)
         assert llm.engine.scheduler.kv_cache.pool.num_used_blocks == 0
     finally:
@@ -148,7 +148,7 @@ def test_cross_encoder_scores_match_sentence_transformers(name, request):
     reference = torch.tensor(CrossEncoder(str(model.folder), device="cpu").predict(pairs))
     llm = LLM(str(model.folder))
     try:
-        assert llm.engine.task == "score"
+        assert llm.engine.model.task == "score"
         ours = torch.tensor([o.outputs.score for o in llm.score([q for q, _ in pairs], [d for _, d in pairs])])
         one_to_many = torch.tensor([o.outputs.score for o in llm.score(pairs[0][0], [d for _, d in pairs])])
         expected_one = torch.tensor(

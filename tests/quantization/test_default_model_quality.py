@@ -46,13 +46,13 @@ def test_quantized_argmax_agrees_under_teacher_forcing(default_llm, default_toke
         nll["float32"] += ref_nll[: PROMPT_LEN - 1]  # perplexity on the workload text itself
         nll["q4_1"] += our_nll[: PROMPT_LEN - 1]
     rate = agree / total
-    memory = quantized.engine.weight_bytes / default_llm.engine.weight_bytes
+    memory = quantized.engine.model.weight_bytes / default_llm.engine.model.weight_bytes
     perplexity = {name: math.exp(sum(v) / len(v)) for name, v in nll.items()}
     with capsys.disabled():
         print(
             f"\n4-bit vs float32 under teacher forcing: argmax agrees on {rate:.1%} of {total} positions; "
             f"perplexity on the workload text: float32 {perplexity['float32']:.3f}, q4_1 {perplexity['q4_1']:.3f}; "
-            f"weight memory {quantized.engine.weight_bytes / 2**20:.1f} MiB = {memory:.1%} of float32"
+            f"weight memory {quantized.engine.model.weight_bytes / 2**20:.1f} MiB = {memory:.1%} of float32"
         )
     assert rate >= 0.95
     assert perplexity["q4_1"] < 1.2 * perplexity["float32"]
@@ -62,7 +62,7 @@ def test_quantized_argmax_agrees_under_teacher_forcing(default_llm, default_toke
     counted_twice = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
         v.nbytes for m in model.modules() for v in vars(m).values() if hasattr(v, "nbytes") and not torch.is_tensor(v)
     )
-    assert quantized.engine.weight_bytes == counted_twice - model.embed_tokens.nbytes  # the shared table once
+    assert quantized.engine.model.weight_bytes == counted_twice - model.embed_tokens.nbytes  # the shared table once
 
 
 def test_shipped_model_answers_the_demo_question():

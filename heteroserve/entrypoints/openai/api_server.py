@@ -91,7 +91,7 @@ def build_app(
 
     @app.on_event("startup")
     async def warm_up():
-        task = engine.engine.task
+        task = engine.model.task
         params = (
             SamplingParams(temperature=0, max_tokens=2, ignore_eos=True) if task == "generate" else PoolingParams(task)
         )
@@ -188,11 +188,12 @@ def _add_generation_routes(
             "object": "model",
             "created": now(),
             "owned_by": "heteroserve",
-            "root": (settings.model_root or engine.engine.model_name) if lora is None else lora.lora_path,
+            "root": (settings.model_root or engine.model.model_name) if lora is None else lora.lora_path,
             "parent": None if lora is None else settings.served_model_names[0],
-            "max_model_len": engine.engine.max_model_len,
-            "task": engine.engine.task,  # generate, embed or score: which routes serve it
-            "capabilities": {"vision": engine.engine.image_processor is not None},  # the chat page's Image button
+            "max_model_len": engine.model.max_model_len,
+            "task": engine.model.task,  # generate, embed or score: which routes serve it
+            # the chat page's Image button
+            "capabilities": {"vision": engine.processor.image_processor is not None},
         }
 
     @app.get("/v1/models", responses=_API_ERRORS)
@@ -235,13 +236,13 @@ def _add_generation_routes(
             )
         else:
             raise APIError(400, "give either prompt or messages", "prompt")
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.engine.max_model_len}
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.model.max_model_len}
 
     @app.post("/detokenize", responses=_API_ERRORS)
     async def detokenize(body: DetokenizeRequest):
         completions.check_model(body.model)
         check_fields(body)
-        vocab = engine.engine.vocab_size
+        vocab = engine.model.vocab_size
         if chats.tokenizer is None:
             raise APIError(400, "this model has no tokenizer")
         if any(not 0 <= t < vocab for t in body.tokens):
@@ -313,7 +314,7 @@ def _start(args: argparse.Namespace) -> tuple[AsyncLLMEngine, DrainingServer, so
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     engine = AsyncLLMEngine.from_config(config)
-    names = args.served_model_name or [served_name(engine.engine.model_name)]
+    names = args.served_model_name or [served_name(engine.model.model_name)]
     lora_modules = LoRAModules()
     for name, path, base in args.lora_modules or ():
         lora = lora_modules.new(name, path)
@@ -324,7 +325,7 @@ def _start(args: argparse.Namespace) -> tuple[AsyncLLMEngine, DrainingServer, so
                 raise ValueError(
                     f"--lora-modules: {name!r} names base_model_name {base!r}, and this server serves {names[0]!r}"
                 )
-            engine.engine.check_lora(lora)
+            engine.processor.check_lora(lora)
             lora_modules.add(lora)
         except ValueError:
             engine.shutdown()
@@ -343,7 +344,7 @@ def _start(args: argparse.Namespace) -> tuple[AsyncLLMEngine, DrainingServer, so
         max_prompts_per_request=args.max_prompts_per_request,
         metrics_prefix=args.metrics_prefix,
         lora_modules=lora_modules,
-        model_root=engine.engine.model_name,
+        model_root=engine.model.model_name,
     )
     app = build_app(
         engine,

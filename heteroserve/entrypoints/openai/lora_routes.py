@@ -54,7 +54,7 @@ def add_lora_routes(
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
         lora = modules.new(name, body.lora_path)
         try:
-            await asyncio.to_thread(engine.engine.check_lora, lora)  # reads the adapter's config and header
+            await asyncio.to_thread(engine.processor.check_lora, lora)  # reads the adapter's config and header
             modules.add(lora)
         except ValueError as exc:
             raise APIError(400, str(exc), "lora_path") from exc

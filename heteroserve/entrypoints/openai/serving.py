@@ -92,9 +92,9 @@ class OpenAIServing:
         self.settings = settings
         self.metrics = metrics
         self.admission = admission
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
-        self.defaults = engine.engine.sampling_defaults
+        self.tokenizer = engine.model.tokenizer
+        self.max_model_len = engine.model.max_model_len
+        self.defaults = engine.model.sampling_defaults
         self.cut_off = False  # the SIGTERM drain's timeout has passed
         self._reads: set[asyncio.Future] = set()  # requests' waits for their next output
 

@@ -151,7 +151,7 @@ class ServingChat(OpenAIServing):
         messages = [self._template_message(m) for m in request.messages]
         images: list[Image.Image] = []
         if any(m.has_images for m in request.messages):
-            if self.engine.engine.image_processor is None:
+            if self.engine.processor.image_processor is None:
                 raise APIError(400, f"{self.model_name} is a text-only model: it does not accept images", "messages")
             raw = [m.model_dump(exclude_none=True) for m in request.messages]
             try:

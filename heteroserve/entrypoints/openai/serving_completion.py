@@ -91,7 +91,7 @@ class ServingCompletion(OpenAIServing):
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         try:
-            return self.engine.engine.tokenize_prompt(prompt)
+            return self.engine.processor.tokenize_prompt(prompt)
         except ValueError as exc:
             raise APIError(400, str(exc), "prompt") from exc
 

@@ -30,7 +30,7 @@ _ROUTES = {
 def require_task(serving: OpenAIServing, model: str | None, path: str, tasks: Sequence[str]) -> None:
     """The requested model must be this server's (404) and its task one that `path` serves (400 naming the task)."""
     serving.check_model(model)
-    task = serving.engine.engine.task
+    task = serving.engine.model.task
     if task not in tasks:
         name = serving.model_name
         raise APIError(400, f"model {name!r} is {_KINDS[task]} (task {task}): use {_ROUTES[task]}, not {path}", "model")
@@ -39,7 +39,7 @@ def require_task(serving: OpenAIServing, model: str | None, path: str, tasks: Se
 class PoolingServing(OpenAIServing):
     @property
     def task(self) -> str:
-        return self.engine.engine.task
+        return self.engine.model.task
 
     def check(self, body: RequestBody, model: str | None, path: str, tasks: Sequence[str]) -> None:
         require_task(self, model, path, tasks)
@@ -54,7 +54,7 @@ class PoolingServing(OpenAIServing):
         field its message starts with, before any engine request starts."""
         try:
             params = PoolingParams(**fields)
-            self.engine.engine.pooler_spec.check(params)
+            self.engine.model.pooler_spec.check(params)
         except ValueError as exc:
             param = next((name for name in fields if str(exc).startswith(name)), None)
             raise APIError(400, str(exc), param) from exc
@@ -67,7 +67,7 @@ class PoolingServing(OpenAIServing):
         prompts = []
         for i, (prompt, params) in enumerate(inputs):
             try:
-                prompts.append(engine.pooling_prompt(prompt, params))
+                prompts.append(engine.processor.pooling_prompt(prompt, params))
             except ValueError as exc:
                 where = locate(i)
                 raise APIError(400, f"{where}: {exc}", where.partition("[")[0]) from exc

@@ -126,7 +126,7 @@ class ServingScores(PoolingServing):
     def _tokenize_pairs(self, pairs: list[tuple[str, str]], truncate_prompt_tokens: int | None) -> list[dict]:
         """Runs in a worker thread (the engine truncates on a private tokenizer copy, so threads may share it)."""
         try:
-            return [self.engine.engine.tokenize_pair(a, b, truncate_prompt_tokens) for a, b in pairs]
+            return [self.engine.processor.tokenize_pair(a, b, truncate_prompt_tokens) for a, b in pairs]
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
