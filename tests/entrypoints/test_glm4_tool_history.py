@@ -181,9 +181,8 @@ GLM_FORM = [
 
 def serving(template: str, parser: str | None = "glm4") -> ServingChat:
     """The chat endpoint's serving object with the template and parser, over an engine that only has a tokenizer."""
-    engine = SimpleNamespace(
-        engine=SimpleNamespace(tokenizer=tokenizer(GLM), max_model_len=4096, sampling_defaults=None)
-    )
+    model = SimpleNamespace(tokenizer=tokenizer(GLM), max_model_len=4096, sampling_defaults=None)
+    engine = SimpleNamespace(model=model)
     source = (TEMPLATES / f"{template}.jinja").read_text()
     settings = ServerSettings(["glm-4"], chat_template=source, tool_call_parser=parser)
     return ServingChat(engine, settings, metrics=None, admission=None)
