@@ -197,6 +197,7 @@ class LoRAConfig:
 class DeviceConfig:
     device: str = "auto"
     kernels: str = "auto"  # "reference": plain torch operators everywhere, to check faster kernels against
+    enforce_eager: bool = False  # no graph capture even where the platform has it (Platform.graph_capture)
 
     def __post_init__(self) -> None:
         if self.kernels not in ("auto", "reference"):

@@ -173,6 +173,9 @@ class EngineArgs:
     kernels: str = _setting(
         "auto", "auto: the platform's fastest kernels; reference: plain torch operators", choices=["auto", "reference"]
     )
+    enforce_eager: bool = _setting(
+        False, "run every step as it comes: no decode graphs where the device has them (CUDA graphs)"
+    )
     quantization: str | None = _setting(
         None,
         "unset: as the checkpoint is (GGUF, GPTQ, AWQ detected and kept compressed); none: dequantise; "
@@ -301,7 +304,7 @@ class EngineArgs:
                 max_model_len=limits.max_model_len,
                 pooling=limits.pooling,
             ),
-            device=DeviceConfig(device=self.device, kernels=self.kernels),
+            device=DeviceConfig(device=self.device, kernels=self.kernels, enforce_eager=self.enforce_eager),
             multimodal=MultimodalConfig(
                 limit_images_per_prompt=images,
                 min_pixels=pixels.get("min_pixels"),

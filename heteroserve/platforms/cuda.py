@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from heteroserve.platforms.graph_capture import GraphCapture
 from heteroserve.platforms.interface import Platform
 
 
@@ -21,6 +22,9 @@ class CudaPlatform(Platform):
         if torch.cuda.is_bf16_supported():
             dtypes.append(torch.bfloat16)
         return dtypes
+
+    def graph_capture(self) -> GraphCapture:
+        return GraphCapture("CUDA graphs", torch.cuda.CUDAGraph, torch.cuda.graph, torch.cuda.graph_pool_handle)
 
     def describe(self) -> dict[str, object]:
         return {**super().describe(), "gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda}

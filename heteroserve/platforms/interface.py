@@ -11,6 +11,7 @@ from types import ModuleType
 import torch
 
 from heteroserve.platforms.attention import AttentionBackend
+from heteroserve.platforms.graph_capture import GraphCapture
 from heteroserve.platforms.operators import (
     OPERATORS,
     DecodeLayerFuser,
@@ -171,6 +172,12 @@ class Platform:
         function that binds one to a layer's weights; None keeps the layer operator by operator."""
         return None
 
+    def graph_capture(self) -> GraphCapture | None:
+        """The device's API for recording kernels once and replaying them (graph_capture.py), where decode steps
+        are to be replayed from graphs; None runs every step as it comes (the CPU, and devices whose graphs no one
+        has checked yet)."""
+        return None
+
     def get_attn_backend(self, ops: OperatorTable) -> AttentionBackend:
         """The attention backend the model runs with, over the operator table it was loaded with. The default is
         paged attention through that table's write_kv / decode_attention / prefill_attention; a device whose kernels
@@ -194,6 +201,8 @@ class Platform:
             "torch": torch.__version__,
             "dist_backend": self.dist_backend,
         }
+        capture = self.graph_capture()
+        info["graphs"] = capture.name if capture is not None else "none: every step runs eagerly"
         if self.vendor_extension is not None:
             info[self.vendor_extension] = self.vendor_version()
         return info

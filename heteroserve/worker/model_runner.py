@@ -6,6 +6,7 @@ import logging
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -19,6 +20,8 @@ from heteroserve.model.loader import LoadedModel
 from heteroserve.outputs import TokenLogprobs
 from heteroserve.platforms import Platform
 from heteroserve.platforms.attention import AttentionStep
+from heteroserve.platforms.graph_capture import GraphCapture
+from heteroserve.worker.decode_graphs import DecodeGraphs, StepRequest
 from heteroserve.worker.image_inputs import ImageInputs
 
 logger = logging.getLogger(__name__)
@@ -64,9 +67,11 @@ class ModelRunner:
         lora_config: LoRAConfig | None,
         max_num_batched_tokens: int,
         max_num_seqs: int,
+        enforce_eager: bool = False,
     ) -> None:
         """max_num_batched_tokens: the scheduler's step budget, which a sliding window's KV group is sized by;
-        max_num_seqs: the most requests running at once, which bounds what the KV cache can be asked to hold."""
+        max_num_seqs: the most requests running at once, which bounds what the KV cache can be asked to hold;
+        enforce_eager: no graphs even where the platform has them."""
         self.model = loaded.model
         self.arch = loaded.model.arch
         self.platform = platform
@@ -101,6 +106,9 @@ class ModelRunner:
             )
         self.kv_groups = self._size_groups(budget, cache_config.num_kv_blocks, needs, loaded.max_model_len)
         self.num_blocks = self.kv_groups[0].num_blocks  # the full-attention layers' where the model has any
+        capture = self._graph_capture(platform, enforce_eager, loaded)
+        # Recorded decode graphs pad a step with rows that write to one block of each group past the pool's.
+        spare = 0 if capture is None else 1
         # One tensor per group [its layers, 2, *the backend's layer shape]; layer i reads its slice. Where the values
         # are the keys' first dimensions (latent attention), one plane instead of 2, read as both.
         planes = 1 if self.arch.values_in_keys else 2
@@ -110,7 +118,7 @@ class ModelRunner:
                     len(layers),
                     planes,
                     *self.attn_backend.kv_cache_shape(
-                        group.num_blocks, self.block_size, self.arch.num_kv_heads, self.arch.head_dim
+                        group.num_blocks + spare, self.block_size, self.arch.num_kv_heads, self.arch.head_dim
                     ),
                 ),
                 self.cache_dtype,
@@ -130,6 +138,42 @@ class ModelRunner:
             self.lora = LoRAManager(lora_config, self.model.shard, self.dtype, self.device)
         self._seeds = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.graphs = None
+        if capture is not None:
+            held = [g for g, layers in enumerate(self.group_layers) if layers]
+            self.graphs = DecodeGraphs(
+                capture,
+                lambda ids, pos, meta: self.model(ids, pos, self.layer_caches, meta, None, None),
+                self._attention_metadata,
+                [self.windows[g] for g in held],
+                [self.kv_groups[g].num_blocks for g in held],
+                max_num_seqs,
+                self.device,
+            )
+
+    def _graph_capture(self, platform: Platform, enforce_eager: bool, loaded: LoadedModel) -> GraphCapture | None:
+        """The platform's graph API where decode steps are to be recorded and replayed (said in the log either way
+        when the platform has one)."""
+        capture = platform.graph_capture()
+        if capture is None:
+            return None
+        why = None
+        if enforce_eager:
+            why = "--enforce-eager"
+        elif self.model.parallel.world_size > 1:
+            why = "recording collectives between ranks is not supported yet"
+        elif loaded.pooler is not None:
+            why = "a pooling model does not decode"
+        if why is not None:
+            logger.info("%s off: %s; every step runs eagerly", capture.name, why)
+            return None
+        logger.info("%s on: decode-only steps are recorded per batch size and replayed", capture.name)
+        return capture
+
+    def _attention_metadata(self, window: int | None, requests: list[StepRequest], num_decodes: int) -> Any:
+        """The attention backend's metadata of a step's requests for the KV group of `window`."""
+        step = AttentionStep.of(self.block_size, requests, num_decodes, window, self.device)
+        return self.attn_backend.build_metadata(step)
 
     def bytes_per_block(self, num_layers: int | None = None) -> int:
         """Bytes of one block of `num_layers` layers (all of them by default)."""
@@ -202,29 +246,28 @@ class ModelRunner:
             input_ids.extend(item.input_token_ids)
             positions.extend(range(item.start, item.start + item.num_new_tokens))
         num_decodes = sum(1 for item in items if item.decode_rows)
-        meta = {}
-        for g, window in enumerate(self.windows):
-            if not self.group_layers[g]:
-                continue  # this pipeline stage holds none of the group's layers
-            step = AttentionStep.of(
-                self.block_size,
-                [(item.block_ids[g], item.start, item.num_new_tokens) for item in items],
-                num_decodes,
-                window,
-                self.device,
-            )
-            meta[window] = self.attn_backend.build_metadata(step)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        injected = None
-        if self.images is not None and any(item.request.multimodal is not None for item in items):
-            pos, injected = self.images.prepare(items)  # M-RoPE positions; text-only batches skip this
-        else:
-            pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        kv = self.layer_caches
-        lora = None
-        if slot_of:
-            lora = self.lora.batch_for([(slot_of.get(item.request.lora_id), item.num_new_tokens) for item in items])
-        hidden = self.model(ids, pos, kv, meta, injected, lora)
+        with_images = self.images is not None and any(item.request.multimodal is not None for item in items)
+        # Each held KV group's part of the step (a pipeline stage may hold none of a group's layers).
+        requests = {
+            window: [(item.block_ids[g], item.start, item.num_new_tokens) for item in items]
+            for g, window in enumerate(self.windows)
+            if self.group_layers[g]
+        }
+        hidden = None
+        if self.graphs is not None and num_decodes == len(items) and not slot_of and not with_images:
+            hidden = self.graphs.run(list(requests.values()), input_ids, positions)
+        if hidden is None:
+            meta = {window: self._attention_metadata(window, group, num_decodes) for window, group in requests.items()}
+            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            injected = None
+            if with_images:
+                pos, injected = self.images.prepare(items)  # M-RoPE positions; text-only batches skip this
+            else:
+                pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+            lora = None
+            if slot_of:
+                lora = self.lora.batch_for([(slot_of.get(item.request.lora_id), item.num_new_tokens) for item in items])
+            hidden = self.model(ids, pos, self.layer_caches, meta, injected, lora)
         if not self.model.parallel.is_last_stage:  # the next pipeline stage carries on
             return {}
         if self.pooler is not None:

@@ -91,6 +91,7 @@ class Worker:
                 config.lora,
                 config.scheduler.max_num_batched_tokens,
                 config.scheduler.max_num_seqs,
+                config.device.enforce_eager,
             )
             vocab_size = loaded.model.shard.full_arch.vocab_size
         kv_groups, weight_bytes = self._agree(self.runner.kv_groups, loaded.model.weight_bytes())

@@ -324,11 +324,30 @@ def default_model_missing() -> str | None:
     return None
 
 
+def count_replays() -> Counter[str]:
+    """Counts the decode steps that ran as graph replays (worker/decode_graphs.py), on devices that have graphs."""
+    from heteroserve.worker.decode_graphs import DecodeGraphs
+
+    counts: Counter[str] = Counter()
+    run = DecodeGraphs.run
+
+    def counted(graphs, *args):
+        hidden = run(graphs, *args)
+        counts["replays" if hidden is not None else "eager"] += 1
+        return hidden
+
+    DecodeGraphs.run = counted
+    return counts
+
+
 def run_cases(device: str, models: Path, names: list[str]) -> list[dict]:
-    """One line per case: its tokens (or the error, or why it was skipped) and its seconds."""
+    """One line per case: its tokens (or the error, or why it was skipped), its seconds and its decode steps that
+    ran as graph replays."""
     missing = default_model_missing()
+    replays = count_replays()
     lines = []
     for name in names:
+        replays.clear()
         start = time.perf_counter()
         if missing and CASES[name] in NEEDS_DEFAULT_MODEL:
             result = {"skipped": missing}
@@ -340,7 +359,7 @@ def run_cases(device: str, models: Path, names: list[str]) -> list[dict]:
                 result = {"skipped": str(reason)}
             except Exception as error:  # reported per case; the comparison names it
                 result = {"error": f"{type(error).__name__}: {error}"}
-        result.update(case=name, seconds=round(time.perf_counter() - start, 1))
+        result.update(case=name, seconds=round(time.perf_counter() - start, 1), graph_replays=replays["replays"])
         print(json.dumps(result), flush=True)
         lines.append(result)
     return lines
@@ -351,7 +370,10 @@ def compare(lines: list[dict], reference: Path, device: str) -> bool:
     expected = {
         entry["case"]: entry for entry in map(json.loads, reference.read_text().splitlines()) if "case" in entry
     }
-    print(f"\n| case | tokens equal to the CPU platform's | {device} s | cpu s |\n|---|---|---|---|")
+    print(
+        f"\n| case | tokens equal to the CPU platform's | {device} s | cpu s | decode steps replayed from graphs |"
+        "\n|---|---|---|---|---|"
+    )
     good = True
     for line in lines:
         cpu = expected.get(line["case"], {})
@@ -363,7 +385,10 @@ def compare(lines: list[dict], reference: Path, device: str) -> bool:
             verdict = f"yes ({sum(map(len, line['tokens']))} tokens)"
         else:
             verdict, good = "no: the tokens differ", False
-        print(f"| {line['case']} | {verdict} | {line['seconds']} | {cpu.get('seconds', '-')} |")
+        print(
+            f"| {line['case']} | {verdict} | {line['seconds']} | {cpu.get('seconds', '-')} | "
+            f"{line.get('graph_replays', 0)} |"
+        )
     return good
 
 
