@@ -39,7 +39,12 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, help="as LLM(quantization=...): unset is the 4-bit file")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    settings = {"quantization": args.quantization, "max_model_len": 512, "max_num_seqs": max(args.batches)}
+    settings = {
+        "quantization": args.quantization,
+        "max_model_len": 512,
+        "max_num_seqs": max(args.batches),
+        "kv_cache_memory_bytes": 2**30,  # both engines on one device: a fixed share each
+    }
     engines = {"graphs": LLM(**settings), "eager": LLM(**settings, enforce_eager=True)}
     tokenizer = engines["eager"].get_tokenizer()
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731

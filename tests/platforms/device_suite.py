@@ -368,7 +368,9 @@ def run_cases(device: str, models: Path, names: list[str]) -> list[dict]:
 def compare(lines: list[dict], reference: Path, device: str) -> bool:
     """Prints one table of every case against a CPU run's lines; whether all that ran are equal."""
     expected = {
-        entry["case"]: entry for entry in map(json.loads, reference.read_text().splitlines()) if "case" in entry
+        entry["case"]: entry
+        for entry in (json.loads(line) for line in reference.read_text().splitlines() if line.startswith("{"))
+        if "case" in entry
     }
     print(
         f"\n| case | tokens equal to the CPU platform's | {device} s | cpu s | decode steps replayed from graphs |"
