@@ -47,6 +47,7 @@ export HETEROSERVE_DEVICE=$device
 tests=(
     tests/engine/test_default_model_greedy.py  # the default model's greedy tokens against transformers
     tests/model/test_architectures.py          # tiny Llama-3, Mistral, Qwen2, Qwen3 against transformers
+    tests/platforms/test_decode_graphs.py      # decode steps replayed from the device's graphs (CUDA graphs)
     tests/entrypoints/test_openai_server.py     # the server with the official openai client
     tests/quantization/test_int4.py tests/quantization/test_int8.py tests/quantization/test_gptq.py
 )

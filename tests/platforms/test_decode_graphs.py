@@ -137,7 +137,9 @@ def test_a_failed_recording_says_so_and_runs_eagerly(monkeypatch, tmp_path, capl
     tiny = save_tiny("qwen2", tmp_path, seed=3)
     token_prompts = prompts(5, [6, 11], tiny.vocab_size)
     with caplog.at_level(logging.WARNING, logger="heteroserve.worker.decode_graphs"):
-        outputs = run(tiny.llm(device="cpu"), token_prompts, greedy_params(tiny.vocab_size, max_tokens=6))
+        outputs = run(
+            tiny.llm(device="cpu", kernels="reference"), token_prompts, greedy_params(tiny.vocab_size, max_tokens=6)
+        )
     assert "rerun graphs off" in caplog.text and "operation not permitted when stream is capturing" in caplog.text
     comparison = GreedyComparison()
     for i, (output, prompt) in enumerate(zip(outputs, token_prompts, strict=True)):
@@ -148,6 +150,6 @@ def test_enforce_eager_records_nothing(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(CpuPlatform, "graph_capture", lambda self: RerunGraphCapture())
     tiny = save_tiny("qwen2", tmp_path, seed=3)
     with caplog.at_level(logging.INFO, logger="heteroserve.worker.model_runner"):
-        llm = tiny.llm(device="cpu", enforce_eager=True)
+        llm = tiny.llm(device="cpu", kernels="reference", enforce_eager=True)
     run(llm, prompts(5, [6], tiny.vocab_size), greedy_params(tiny.vocab_size, max_tokens=4))
     assert llm.engine.runner.graphs is None and "rerun graphs off: --enforce-eager" in caplog.text
