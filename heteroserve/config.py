@@ -49,8 +49,13 @@ class ModelConfig:
     # Pooling models: overrides of what the checkpoint says, vLLM's --pooler-config keys ("pooling_type": CLS,
     # MEAN or LAST; "normalize": bool).
     pooler_config: dict | None = None
+    # "cpu": a mixture of experts keeps its routers and routed experts in host memory, computed by the CPU platform,
+    # while the rest of the model runs on the platform's device. None: with the rest.
+    moe_experts_device: str | None = None
 
     def __post_init__(self) -> None:
+        if self.moe_experts_device not in (None, "cpu"):
+            raise ValueError(f"moe_experts_device must be 'cpu' (or unset), got {self.moe_experts_device!r}")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if self.pooler_config is not None:

@@ -206,6 +206,13 @@ class EngineArgs:
     )
     tensor_parallel_size: int = _setting(1, "ranks that split each layer", aliases=("-tp",), group=PARALLEL_GROUP)
     pipeline_parallel_size: int = _setting(1, "ranks that split the layers", aliases=("-pp",), group=PARALLEL_GROUP)
+    moe_experts_device: str | None = _setting(
+        None,
+        "cpu: a mixture of experts' routers and routed experts stay in host memory and run on the CPU platform's "
+        "kernels while the rest runs on the device (llama.cpp's --cpu-moe); hidden states cross once a layer each way",
+        choices=["cpu"],
+        group=PARALLEL_GROUP,
+    )
     enable_expert_parallel: bool = _setting(
         False,
         "mixture-of-experts layers: each tensor-parallel rank holds whole experts (an even share of them) instead of "
@@ -277,6 +284,7 @@ class EngineArgs:
             generation_config=self.generation_config,
             runner=self.runner,
             pooler_config=self.pooler_config,
+            moe_experts_device=self.moe_experts_device,
         )
         limits = checkpoint_limits(model)
         model = dataclasses.replace(model, max_model_len=limits.max_model_len)

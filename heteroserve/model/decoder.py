@@ -151,6 +151,7 @@ class DecoderLayer(nn.Module):
         parallel: ParallelGroups,
         backend: AttentionBackend,
         index: int,
+        expert_ops: OperatorTable | None = None,
     ) -> None:
         super().__init__()
         self.index = index
@@ -173,7 +174,7 @@ class DecoderLayer(nn.Module):
         dense = spec.moe is None
         if not dense and spec.mlp_bias:
             raise ValueError(f"layer {index}: a mixture-of-experts MLP with biases is not implemented")
-        self.moe = None if dense else MoEBlock(spec.moe, h, ops, self.activation)
+        self.moe = None if dense else MoEBlock(spec.moe, h, ops, spec.activation, expert_ops)
         self.gate_up_proj = empty_weight(2 * arch.intermediate_size, h) if dense else None
         self.gate_up_bias = empty_vector(2 * arch.intermediate_size) if spec.mlp_bias else None
         self.down_proj = empty_weight(h, arch.intermediate_size) if dense else None
@@ -239,7 +240,9 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """With a `ModelShard`, the rank's part of the model: `arch` holds its local sizes (see distributed/).
     lm_head=False: an embedding model's decoder (its hidden states are pooled), with no LM head to load or prepare.
-    attn_backend: the platform's (`Platform.get_attn_backend`); the runner builds each step's metadata with it."""
+    attn_backend: the platform's (`Platform.get_attn_backend`); the runner builds each step's metadata with it.
+    expert_ops: the CPU platform's operators where a mixture of experts' routed experts stay in host memory
+    (--moe-experts-device cpu; None: they run with the rest)."""
 
     def __init__(
         self,
@@ -250,6 +253,7 @@ class DecoderModel(nn.Module):
         shard: ModelShard | None = None,
         lm_head: bool = True,
         attn_backend: AttentionBackend | None = None,
+        expert_ops: OperatorTable | None = None,
     ) -> None:
         super().__init__()
         self.shard = shard or ModelShard.whole(arch)
@@ -261,7 +265,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Parameter(torch.empty(arch.vocab_size, arch.hidden_size), requires_grad=False)
         self.attn_backend = attn_backend or PagedAttentionBackend(ops)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, spec, self.ops, self.parallel, self.attn_backend, i)
+            DecoderLayer(arch, spec, self.ops, self.parallel, self.attn_backend, i, expert_ops)
             for i, spec in enumerate(arch.layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, self.ops)
@@ -288,7 +292,7 @@ class DecoderModel(nn.Module):
             ]
             if layer.moe is not None:
                 projections += [(layer.moe, "shared_gate_up"), (layer.moe, "shared_down")]
-                layer.moe.prepare_experts(self.linear.prepare)
+                layer.moe.prepare_experts(layer.moe.expert_linear.prepare)
             for owner, name in projections:
                 if getattr(owner, name) is not None:
                     self._prepare(owner, name, getattr(owner, name))

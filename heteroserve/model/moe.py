@@ -8,6 +8,11 @@ dropped: every token gets all of its `top_k` experts.
 
 With tensor parallelism each rank holds a slice of every expert's (and the shared experts') intermediate rows;
 the block returns the rank's partial sum, which the layer all-reduces with the rest.
+
+Beside an accelerator the router and the routed experts may stay in host memory (`--moe-experts-device cpu`, as
+llama.cpp's --cpu-moe and KTransformers place them): they run on the CPU platform's operators, the step's hidden
+states cross to the host once and the routed experts' sum comes back once, and the shared experts run on the device
+with the rest of the layer.
 """
 
 from __future__ import annotations
@@ -47,15 +52,40 @@ def route(
     return weights, ids
 
 
+# What stays in host memory when the routed experts run on the CPU (placement.place_on leaves these attributes).
+ROUTED_ATTRIBUTES = frozenset(
+    {
+        "router",
+        "router_bias",
+        "correction_bias",
+        "experts_gate_up",
+        "experts_down",
+        "experts_gate_up_bias",
+        "experts_down_bias",
+    }
+)
+
+
 class MoEBlock(nn.Module):
     """The experts of one layer. Expert e's fused gate/up projection is `experts_gate_up[e]` and its down
-    projection `experts_down[e]` (plain tensors, or whatever the platform's linear op prepared them into)."""
+    projection `experts_down[e]` (plain tensors, or whatever the platform's linear op prepared them into).
 
-    def __init__(self, spec: MoESpec, hidden_size: int, ops: OperatorTable, activation) -> None:
+    activation: the operator name of the experts' activation ("silu", "gelu_tanh"); host_ops: the CPU platform's
+    operators where the router and routed experts stay in host memory (None: they run with the rest)."""
+
+    def __init__(
+        self, spec: MoESpec, hidden_size: int, ops: OperatorTable, activation: str, host_ops: OperatorTable | None
+    ) -> None:
         super().__init__()
         self.spec = spec
-        self.linear = ops.linear
-        self.activation = activation
+        self.linear = ops.linear  # the shared experts'
+        self.activation = _activation(ops, activation)
+        expert_ops = host_ops or ops
+        self.expert_linear = expert_ops.linear
+        self.expert_activation = _activation(expert_ops, activation)
+        self.stays_on_host = ROUTED_ATTRIBUTES if host_ops is not None else frozenset()
+        self.host_crossings = 0  # forwards that sent hidden states to the host experts and their sum back
+        self.host_dtype: torch.dtype | None = None  # the host experts' activations where not the model's
         inter = spec.intermediate_size
         self.router = empty_weight(spec.num_experts, hidden_size)  # float32: routing is computed in float32
         self.router_bias = empty_vector(spec.num_experts) if spec.router_bias else None
@@ -68,6 +98,7 @@ class MoEBlock(nn.Module):
         self.experts_down_bias: list = [torch.empty(hidden_size) for _ in biased]
         if spec.swiglu_limit is not None:
             self.activation = functools.partial(clamped_swiglu, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
+            self.expert_activation = self.activation
         shared = spec.shared_intermediate_size
         self.shared_gate_up = empty_weight(2 * shared, hidden_size) if shared else None
         self.shared_down = empty_weight(hidden_size, shared) if shared else None
@@ -81,7 +112,25 @@ class MoEBlock(nn.Module):
         ]
         self.experts_down = [prepare(w.data) if isinstance(w, torch.Tensor) else prepare(w) for w in self.experts_down]
 
+    @property
+    def experts_on_host(self) -> bool:
+        return bool(self.stays_on_host)
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.experts_on_host:
+            self.host_crossings += 1
+            out = self._routed(h.to("cpu", self.host_dtype or h.dtype)).to(h.device)
+        else:
+            out = self._routed(h)
+        if self.shared_gate_up is not None:
+            shared = self._mlp(h, self.shared_gate_up, self.shared_down).float()
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(F.linear(h, self.shared_gate)).float()
+            out += shared
+        return out.to(h.dtype)
+
+    def _routed(self, h: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for each row of `h`, in float32 on h's device."""
         spec = self.spec
         logits = F.linear(h.float(), self.router, self.router_bias)
         weights, ids = route(logits, spec, self.correction_bias)
@@ -98,22 +147,25 @@ class MoEBlock(nn.Module):
             if count:
                 part = rows[start : start + count]
                 biases = (self.experts_gate_up_bias[local], self.experts_down_bias[local]) if spec.expert_bias else ()
-                outputs.append(self._mlp(part, self.experts_gate_up[local], self.experts_down[local], *biases))
+                outputs.append(self._expert(part, self.experts_gate_up[local], self.experts_down[local], *biases))
                 start += count
         out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         if outputs:
             weighted = torch.cat(outputs).float() * weights.flatten()[order, None]
             # index_add_ adds a token's rows in their order here: its experts by ascending index, whatever the batch.
             out.index_add_(0, token_of, weighted)
-        if self.shared_gate_up is not None:
-            shared = self._mlp(h, self.shared_gate_up, self.shared_down).float()
-            if self.shared_gate is not None:
-                shared = shared * torch.sigmoid(F.linear(h, self.shared_gate)).float()
-            out += shared
-        return out.to(h.dtype)
+        return out
 
-    def _mlp(self, x: torch.Tensor, gate_up, down, gate_up_bias=None, down_bias=None) -> torch.Tensor:
-        return self.linear(self.activation(self.linear(x, gate_up, gate_up_bias)), down, down_bias)
+    def _expert(self, x: torch.Tensor, gate_up, down, gate_up_bias=None, down_bias=None) -> torch.Tensor:
+        linear = self.expert_linear
+        return linear(self.expert_activation(linear(x, gate_up, gate_up_bias)), down, down_bias)
+
+    def _mlp(self, x: torch.Tensor, gate_up, down) -> torch.Tensor:
+        return self.linear(self.activation(self.linear(x, gate_up)), down)
+
+
+def _activation(ops: OperatorTable, name: str):
+    return {"silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}[name]
 
 
 def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:

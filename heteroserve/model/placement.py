@@ -2,7 +2,8 @@
 
 `nn.Module.to` moves parameters and buffers only; compressed weights (heteroserve.quantization) are plain
 attributes, and a mixture of experts keeps its experts in lists. Placement moves all three, so nothing a step
-reads stays on the host unless the platform keeps it there on purpose.
+reads stays on the host unless it is kept there on purpose: a module's `stays_on_host` names the attributes it
+computes with on the CPU (a mixture of experts' routed experts under --moe-experts-device cpu).
 """
 
 from __future__ import annotations
@@ -14,10 +15,20 @@ from heteroserve.quantization.weight import CompressedWeight
 
 
 def place_on(model: nn.Module, device: torch.device) -> None:
-    """Every weight of `model` onto `device`, compressed and listed ones included."""
-    model.to(device)
+    """Every weight of `model` onto `device`, compressed and listed ones included, but those of the attributes a
+    module names in `stays_on_host`."""
+    moved: dict[int, nn.Parameter] = {}  # a parameter two modules share stays shared
     for module in model.modules():
+        stays = getattr(module, "stays_on_host", frozenset())
+        for name, param in module._parameters.items():
+            if param is not None and name not in stays:
+                module._parameters[name] = moved.setdefault(id(param), _moved(param, device))
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in stays:
+                module._buffers[name] = buffer.to(device)
         for name, value in list(vars(module).items()):
+            if name in stays:
+                continue
             if isinstance(value, CompressedWeight):
                 setattr(module, name, value.to(device))
             elif isinstance(value, list) and any(_movable(v) for v in value):

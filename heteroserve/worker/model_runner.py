@@ -164,6 +164,8 @@ class ModelRunner:
             why = "recording collectives between ranks is not supported yet"
         elif loaded.pooler is not None:
             why = "a pooling model does not decode"
+        elif any(layer.moe is not None and layer.moe.experts_on_host for layer in self.model.layers):
+            why = "the routed experts run on the CPU (--moe-experts-device cpu)"
         if why is not None:
             logger.info("%s off: %s; every step runs eagerly", capture.name, why)
             return None

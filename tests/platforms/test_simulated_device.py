@@ -20,7 +20,7 @@ import pytest
 from openai import OpenAI
 
 from tests.entrypoints.server_process import ServerProcess
-from tests.platforms.device_suite import CASES
+from tests.platforms.device_suite import CASES, NEW_TOKENS
 from tests.platforms.plugin_site import REPO
 
 PLUGIN = REPO / "plugins" / "simulated_device"
@@ -112,6 +112,20 @@ def test_operators_the_device_lacks_run_on_the_cpu_and_are_counted(on_sim, sim_s
     assert rms_norm and "cpu fallback" in rms_norm[0], shown.stdout
     refused = env_report(sim_site, "rms_norm,no_such_operator")
     assert "no_such_operator, which are not operators" in refused.stdout + refused.stderr
+
+
+def test_routed_experts_run_on_the_cpu_beside_the_device(on_cpu, on_sim):
+    """--moe-experts-device cpu: the routers and routed experts stay in host memory and run on the CPU platform's
+    kernels (counted apart from host reads), the hidden states cross to the host and back once per MoE layer and
+    step, and the tokens are the all-CPU run's (test_tokens_equal_the_cpu_platforms checks them)."""
+    case = "Qwen2-MoE, routed experts on the CPU"
+    cpu, sim = on_cpu[case], on_sim[0][case]
+    assert cpu["host_crossings"] == 0  # on the CPU platform the flag changes nothing
+    # Two prompts prefilled in one step, then one decode step for each of the other NEW_TOKENS - 1 tokens.
+    assert sim["host_crossings"] == sim["moe_layers"] * NEW_TOKENS, sim
+    on_purpose = on_sim[1]["host_side_on_purpose"]
+    assert sum(count for name, count in on_purpose.items() if "linear" in name) > 0, on_purpose
+    print(f"{sim['host_crossings']} crossings over {sim['moe_layers']} MoE layers; host-side operators {on_purpose}")
 
 
 def env_report(site: Path, unsupported: str) -> subprocess.CompletedProcess:

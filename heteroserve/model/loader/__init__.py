@@ -40,7 +40,7 @@ from heteroserve.model.placement import place_on
 from heteroserve.model.sharding import ModelShard
 from heteroserve.model.vision.encoder import VisionEncoder
 from heteroserve.model.vision.loading import build_vision_encoder, split_vision_tensors
-from heteroserve.platforms import Platform
+from heteroserve.platforms import OperatorTable, Platform, resolve_platform
 from heteroserve.quantization.checkpoint import MXFP4, checkpoint_quantization, unpack_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -134,6 +134,7 @@ def load_model(
     if max_model_len > arch.max_position_embeddings:
         logger.warning("max_model_len %d exceeds the model's %d positions", max_model_len, arch.max_position_embeddings)
     ops = platform.operator_table(dtype, kernels)
+    expert_ops, expert_dtype = _host_experts(config, hf_config.model_type, arch, platform, dtype, kernels)
     shard = ModelShard.of(arch, parallel) if parallel is not None else None
     if shard is not None:
         tensors = shard.take(tensors)
@@ -145,11 +146,14 @@ def load_model(
         shard,
         lm_head=task == "generate",
         attn_backend=platform.get_attn_backend(ops),
+        expert_ops=expert_ops,
     )
     score_head: dict[str, torch.Tensor] = {}
     if task != "generate":  # sentence-transformers saves the base model: no "model." prefix, no LM head
         tensors = decoder_pooling_tensors(tensors, score_head)
     load_weights(model, tensors, dtype)
+    if expert_ops is not None:
+        _to_expert_dtype(model, expert_dtype)
     place_on(model, platform.device)
     model.eval()
     model.prepare_weights()
@@ -178,6 +182,51 @@ def load_model(
     return LoadedModel(
         source, model, hf_config, tokenizer, dtype, max_model_len, eos, extra_eos, defaults, vision, task, pooler
     )
+
+
+def _host_experts(
+    config: ModelConfig, model_type: str, arch: ModelArch, platform: Platform, dtype: torch.dtype, kernels: str
+) -> tuple[OperatorTable | None, torch.dtype]:
+    """The CPU platform's operators and activations dtype for routed experts kept in host memory
+    (--moe-experts-device cpu), or (None, dtype) where they run with the rest of the model."""
+    if config.moe_experts_device is None:
+        return None, dtype
+    moe_layers = sum(spec.moe is not None for spec in arch.layers)
+    if not moe_layers:
+        raise ValueError(f"--moe-experts-device cpu: {model_type} has no mixture-of-experts layers")
+    if platform.device_type == "cpu":
+        logger.info("--moe-experts-device cpu: the platform is the CPU, where the experts run with the rest")
+        return None, dtype
+    cpu = resolve_platform("cpu")
+    cpu.configure_process()
+    expert_dtype = dtype if dtype in cpu.supported_dtypes() else torch.float32
+    cpu.assign_threads(expert_dtype, kernels)
+    expert_ops = cpu.operator_table(expert_dtype, kernels)
+    logger.info(
+        "routers and routed experts of %d layers in host memory on the CPU platform (%s activations, linear=%s); "
+        "the rest of the model on %s",
+        moe_layers,
+        str(expert_dtype).removeprefix("torch."),
+        expert_ops.linear.name,
+        platform.device,
+    )
+    return expert_ops, expert_dtype
+
+
+def _to_expert_dtype(model: DecoderModel, dtype: torch.dtype) -> None:
+    """Dense routed experts in the dtype their host activations take (compressed ones stay as they are)."""
+    for layer in model.layers:
+        moe = layer.moe
+        if moe is None:
+            continue
+        moe.host_dtype = dtype
+        for name in ("experts_gate_up", "experts_down", "experts_gate_up_bias", "experts_down_bias"):
+            weights = getattr(moe, name)
+            setattr(
+                moe,
+                name,
+                [w.to(dtype) if isinstance(w, torch.Tensor) and w.is_floating_point() else w for w in weights],
+            )
 
 
 def _load_encoder(
