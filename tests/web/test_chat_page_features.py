@@ -1,7 +1,7 @@
 """The chat page's additions after llama.cpp's UI, in the system's Chromium against the session server (SmolLM2):
 text, code and PDF files attached as text (PDF.js loaded only then; a binary file or an image for a text model
 refused with a message), continuing an answer cut at max_tokens, the context gauge, Ctrl+K, "Copied", "no
-matches", the typing indicator before the first token and the favicon."""
+matches", the typing indicator before the first token, the favicon, and no focus stop that cannot be seen."""
 
 from __future__ import annotations
 
@@ -143,6 +143,9 @@ def test_typing_copied_no_matches_ctrl_k_and_the_favicon(browser, server):
     assert page.evaluate("navigator.clipboard.readText()") == "Hi there"
     expect(copy).to_have_text("Copy")
 
+    with page.expect_file_chooser() as chooser:  # Import is a real button too
+        page.click("#import")
+    assert not chooser.value.is_multiple()
     page.click("#toggle-sidebar")  # the list folded away: Ctrl+K shows it and puts the cursor in the search
     assert not page.locator("#search").is_visible()
     page.locator("#input").focus()
@@ -162,8 +165,20 @@ def test_typing_copied_no_matches_ctrl_k_and_the_favicon(browser, server):
     context.close()
 
 
-def test_ctrl_k_opens_the_drawer_on_a_phone(browser, server):
+def test_every_focus_stop_is_seen_and_ctrl_k_opens_the_drawer_on_a_phone(browser, server):
     context, page, errors = open_page(browser, server, 390, 844)
+    focused = """() => { const e = document.activeElement, r = e.getBoundingClientRect();
+        return [e.id || e.className, r.width > 0 && r.height > 0 && r.right > 0 && r.left < innerWidth
+                && getComputedStyle(e).visibility === "visible"]; }"""
+    stops = []
+    for _ in range(12):  # Tab through the page: the closed drawer's and the file inputs' controls are not stops
+        page.keyboard.press("Tab")
+        stops.append(page.evaluate(focused))
+    assert all(seen for _, seen in stops), stops
+    assert "attach-button" in dict(stops)
+    with page.expect_file_chooser() as chooser:  # a real button that opens the file picker
+        page.click("#attach-button")
+    assert chooser.value.is_multiple()
     assert not page.locator("#search").is_visible()
     page.keyboard.press("Control+k")
     expect(page.locator("#search")).to_be_focused()
