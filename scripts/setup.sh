@@ -32,3 +32,7 @@ python -c "from heteroserve.platforms.cpu.kernels import load_library; assert lo
 if command -v npm >/dev/null && [ ! -d deploy/grafana/schema-check/node_modules ]; then
     npm ci --prefix deploy/grafana/schema-check --no-audit --no-fund --silent || echo "npm ci failed: the dashboard schema check will be skipped" >&2
 fi
+# axe-core, which the chat page's accessibility test injects into the page (skipped without it).
+if command -v npm >/dev/null && [ ! -d tests/web/axe/node_modules ]; then
+    npm ci --prefix tests/web/axe --no-audit --no-fund --silent || echo "npm ci failed: the chat page's accessibility test will be skipped" >&2
+fi

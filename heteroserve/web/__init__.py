@@ -1,12 +1,15 @@
 """The browser chat page, served at / by the server and the gateway; every asset is in this folder (no CDN):
-index.html, app.js and app.css, and vendor/ (pinned libraries rebuilt by scripts/build-web-assets.sh)."""
+index.html, app.js and its modules, app.css, favicon.svg, and vendor/ (pinned libraries rebuilt by
+scripts/build-web-assets.sh)."""
 
 from importlib.resources import files
 
 _MEDIA_TYPES = {
     ".js": "text/javascript; charset=utf-8",
+    ".mjs": "text/javascript; charset=utf-8",  # PDF.js's module and worker (vendor/pdfjs/)
     ".css": "text/css; charset=utf-8",
     ".woff2": "font/woff2",
+    ".svg": "image/svg+xml",
     ".txt": "text/plain; charset=utf-8",
 }
 

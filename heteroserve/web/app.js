@@ -6,6 +6,7 @@
 import { splitThinking, toSafeHtml } from "./markdown.js";
 import { addNode, failed, importedConversations, isEmpty, leafOf, newConversation, pathOf, removeNode, store } from "./conversations.js";
 import { channel, conversationStore, migrateLocalStorage, openTabs, TAB } from "./storage.js";
+import { readAttachment, textWithFiles } from "./attachments.js";
 const $ = (id) => document.getElementById(id);
 
 // ---- rendering -----------------------------------------------------------------------------------------------
@@ -15,8 +16,10 @@ function renderMarkdown(element, text) {
     const box = document.createElement("div");
     box.className = "code";
     pre.replaceWith(box);
-    box.append(pre, button("Copy", "copy-code", "Copy the code", () => copyText(pre.innerText)));
+    box.append(pre, copyButton("copy-code", "Copy the code", () => pre.innerText));
   }
+  // What may scroll sideways (long code lines, wide tables and formulas) is reachable from the keyboard too.
+  for (const wide of element.querySelectorAll("pre, table, .katex-display")) wide.tabIndex = 0;
 }
 
 async function copyText(text) {
@@ -25,6 +28,20 @@ async function copyText(text) {
     const area = Object.assign(document.createElement("textarea"), { value: text });
     document.body.append(area); area.select(); document.execCommand("copy"); area.remove();
   }
+}
+// A Copy button says "Copied" for a moment, and a screen reader hears it.
+function copyButton(className, label, text) {
+  const b = button("Copy", className, label, async () => {
+    await copyText(text());
+    b.textContent = "Copied";
+    announce("Copied");
+    setTimeout(() => { b.textContent = "Copy"; }, 1500);
+  });
+  return b;
+}
+function announce(text) {
+  $("announce").textContent = "";
+  setTimeout(() => { $("announce").textContent = text; }, 50); // a change, even when the same words come twice
 }
 
 function button(text, className, label, onClick) {
@@ -150,6 +167,7 @@ let shownList = null; // what the list shows: redrawn only when it changes (a sa
 function renderList() {
   const list = $("conversations"), query = $("search").value.trim().toLowerCase();
   const shown = conversations.filter((e) => !query || e.title.toLowerCase().includes(query) || e.text.includes(query));
+  $("no-matches").textContent = query && !shown.length ? `No conversation matches “${$("search").value.trim()}”` : "";
   const key = JSON.stringify([conv?.id, shown.map((e) => [e.id, e.title])]);
   if (renaming || key === shownList) return;
   shownList = key;
@@ -200,6 +218,7 @@ function render() {
   path.forEach((node, i) => log.append(messageElement(node, failed(path, i))));
   log.scrollTop = log.scrollHeight;
   setBusy(streaming());
+  showContext();
 }
 
 function messageElement(node, isFailed) {
@@ -215,6 +234,7 @@ function messageElement(node, isFailed) {
     for (const url of node.images) images.append(Object.assign(document.createElement("img"), { src: url, alt: "attached image" }));
     div.append(images);
   }
+  for (const file of node.files ?? []) div.append(fileElement(file));
   const body = Object.assign(document.createElement("div"), { className: "body" });
   if (node.role === "assistant") {
     const { thinking, answer, thinkingDone } = splitThinking(node.content);
@@ -230,6 +250,7 @@ function messageElement(node, isFailed) {
     }
     for (const call of node.tools ?? []) div.append(toolCallElement(call));
     renderMarkdown(body, answer);
+    if (streaming && !node.content && !reasoning && !node.tools) body.append(typingIndicator());
   } else if (node.role === "user") {
     renderMarkdown(body, node.content);
   } else {
@@ -240,6 +261,22 @@ function messageElement(node, isFailed) {
   if (meta) div.append(Object.assign(document.createElement("div"), { className: "meta", textContent: meta }));
   if (!streaming) div.append(actionsElement(node));
   return div;
+}
+
+// Shown from the moment a question is sent until the first token comes.
+function typingIndicator() {
+  const dots = Object.assign(document.createElement("span"), { className: "typing", role: "status" });
+  dots.setAttribute("aria-label", "Waiting for the answer");
+  dots.append(...[0, 1, 2].map(() => document.createElement("span")));
+  return dots;
+}
+
+// An attached file, folded: its name, and its text when opened.
+function fileElement(file) {
+  const details = Object.assign(document.createElement("details"), { className: "file" });
+  const text = Object.assign(document.createElement("pre"), { textContent: file.text, tabIndex: 0 });
+  details.append(Object.assign(document.createElement("summary"), { textContent: `${file.name} (${file.text.length} characters)` }), text);
+  return details;
 }
 
 function toolCallElement(call) {
@@ -260,6 +297,8 @@ function statsText(s) {
   if (s.ttft_ms !== undefined) parts.push(`first token ${Math.round(s.ttft_ms)} ms`);
   if (s.prompt_tokens !== undefined) parts.push(`prompt ${s.prompt_tokens} tokens`);
   if (s.stopped) parts.push("stopped");
+  else if (s.finish_reason === "length") parts.push("cut at max tokens");
+  if (s.continued) parts.push("continued");
   if (s.edited) parts.push("edited");
   return parts.join(" · ");
 }
@@ -276,7 +315,8 @@ function actionsElement(node) {
     const count = Object.assign(document.createElement("span"), { className: "siblings", textContent: `${i + 1}/${siblings.length}` });
     bar.append(prev, count, next);
   }
-  if (node.role !== "error") bar.append(button("Copy", "link copy", "Copy the message", () => copyText(node.content)));
+  if (node.role !== "error") bar.append(copyButton("link copy", "Copy the message", () => node.content));
+  if (cutOff(node)) bar.append(button("Continue", "link continue", "Continue the answer", () => continueAnswer(node)));
   if (node.role !== "error") bar.append(button("Edit", "link edit", "Edit the message", () => editMessage(node)));
   if (node.role !== "user") bar.append(button("Regenerate", "link regenerate", "Regenerate the answer", () => regenerate(node)));
   return bar;
@@ -290,7 +330,8 @@ function editMessage(node) {
   const bar = Object.assign(document.createElement("div"), { className: "actions" });
   const save = () => {
     if (node.role === "user") { // a new sibling: the old message and its answers stay reachable
-      const edited = addNode(conv, node.parent, { role: "user", content: box.value, ...(node.images ? { images: node.images } : {}) });
+      const edited = addNode(conv, node.parent, { role: "user", content: box.value, ...(node.images ? { images: node.images } : {}),
+                                                   ...(node.files ? { files: node.files } : {}) });
       generate(edited.id);
     } else { // a new alternative too, with its own (no) stats: the answer it replaces stays reachable
       addNode(conv, node.parent, { role: "assistant", content: box.value, model: node.model, stats: { edited: true },
@@ -317,6 +358,16 @@ function regenerate(node) {
   if (parent !== "root") generate(parent);
 }
 
+// An answer cut at max_tokens, stopped, or interrupted by a reload can be continued where it ended (the last
+// message of its branch only: continuing one that has been answered would change what the answer replied to).
+const cutOff = (node) => node.role === "assistant" && !node.children.length && !!splitThinking(node.content).answer.trim()
+  && (node.stats?.finish_reason === "length" || !!node.stats?.stopped || !!node.interrupted);
+function continueAnswer(node) {
+  if (streaming() || !cutOff(node)) return;
+  delete node.interrupted;
+  stream(conv, node, apiMessages(conv, node.id), { continue_final_message: true, add_generation_prompt: false });
+}
+
 // ---- the API -----------------------------------------------------------------------------------------------------
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -335,11 +386,13 @@ function showNotice(text, error = true) {
   $("log").append(div);
 }
 
-// A message with images goes as OpenAI content parts: the images as data: URLs, then the text.
+// A message with images goes as OpenAI content parts: the images as data: URLs, then the text; attached files go
+// as text before the message's own.
 function apiContent(m) {
-  if (!m.images?.length) return m.content;
+  const text = textWithFiles(m.content, m.files);
+  if (!m.images?.length) return text;
   const parts = m.images.map((url) => ({ type: "image_url", image_url: { url } }));
-  return m.content ? [...parts, { type: "text", text: m.content }] : parts;
+  return text ? [...parts, { type: "text", text }] : parts;
 }
 function apiMessages(c, upTo) {
   const messages = [];
@@ -359,19 +412,24 @@ const SAMPLING = [ // [field, request key, parse]; an empty field leaves the ser
   ["repetition-penalty", "repetition_penalty", Number], ["presence-penalty", "presence_penalty", Number],
   ["frequency-penalty", "frequency_penalty", Number], ["seed", "seed", Number],
 ];
-function requestBody(messages) {
-  const body = { model: $("model").value, messages, stream: true, stream_options: { include_usage: true },
+function requestBody(messages, extra) {
+  const body = { model: $("model").value, messages, ...extra, stream: true, stream_options: { include_usage: true },
                  temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value) };
   for (const [id, key, parse] of SAMPLING) if ($(id).value.trim() !== "") body[key] = parse($(id).value);
   return body;
 }
 
-// Streams an answer to the message `parentId` into a new assistant node under it, saved every 500 ms as it
-// comes (`streaming` names this tab until it ends), in its conversation whichever one is open.
-async function generate(parentId) {
-  const c = conv;
-  const node = addNode(c, parentId, { role: "assistant", content: "", model: $("model").value, streaming: TAB });
-  const messages = apiMessages(c, parentId);
+// Streams an answer to the message `parentId` into a new assistant node under it.
+function generate(parentId) {
+  const node = addNode(conv, parentId, { role: "assistant", content: "", model: $("model").value });
+  return stream(conv, node, apiMessages(conv, parentId));
+}
+
+// Streams into `node` (empty, or an answer to continue: then `extra` asks the server to go on from its end), saved
+// every 500 ms as it comes (`streaming` names this tab until it ends), in its conversation whichever one is open.
+async function stream(c, node, messages, extra = {}) {
+  const parentId = node.parent, before = node.stats;
+  node.streaming = TAB;
   const controller = new AbortController();
   streams.set(c.id, { conv: c, controller });
   let saved = 0;
@@ -380,7 +438,7 @@ async function generate(parentId) {
   const saver = setInterval(saveProgress, 500);
   render();
   const started = performance.now();
-  let first = null, chunks = 0, usage = null, pending = null;
+  let first = null, chunks = 0, usage = null, pending = null, finishReason = null;
   const update = () => {
     pending = null;
     const old = conv === c && $("log").querySelector(`[data-id="${node.id}"]`);
@@ -391,7 +449,7 @@ async function generate(parentId) {
   };
   try {
     const response = await fetch("/v1/chat/completions", {
-      method: "POST", headers: headers(), signal: controller.signal, body: JSON.stringify(requestBody(messages)),
+      method: "POST", headers: headers(), signal: controller.signal, body: JSON.stringify(requestBody(messages, extra)),
     });
     if (!response.ok) throw new Error(await errorText(response));
     const reader = response.body.getReader();
@@ -409,6 +467,7 @@ async function generate(parentId) {
         const chunk = JSON.parse(data);
         if (chunk.error) throw new Error(chunk.error.message);
         if (chunk.usage) usage = chunk.usage;
+        finishReason = chunk.choices?.[0]?.finish_reason ?? finishReason;
         const delta = chunk.choices?.[0]?.delta;
         if (!delta) continue;
         const reasoning = delta.reasoning_content ?? delta.reasoning;
@@ -444,8 +503,12 @@ async function generate(parentId) {
         // The decode rate after the first token; an answer that came in one burst is rated over the whole request.
         const decoding = first !== null && ended - first >= 50 && tokens > 1;
         const tokensPerS = decoding ? (tokens - 1) / ((ended - first) / 1000) : tokens / ((ended - started) / 1000);
-        node.stats = { completion_tokens: tokens, prompt_tokens: usage?.prompt_tokens, estimated: !usage,
-                       ttft_ms: first !== null ? first - started : undefined, tokens_per_s: tokensPerS, stopped: !usage };
+        const continued = !!extra.continue_final_message; // a continued answer counts the tokens of every part
+        node.stats = { completion_tokens: tokens + (continued ? before?.completion_tokens ?? 0 : 0),
+                       prompt_tokens: usage?.prompt_tokens, estimated: !usage || (continued && !!before?.estimated),
+                       ttft_ms: first !== null ? first - started : undefined, tokens_per_s: tokensPerS, stopped: !usage,
+                       finish_reason: finishReason ?? undefined, continued: continued || undefined,
+                       context_tokens: usage ? usage.prompt_tokens + usage.completion_tokens : undefined };
       }
     }
     saveConversation(c);
@@ -462,8 +525,12 @@ function setBusy(busy) {
 function send() {
   const text = $("input").value.trim();
   if ((!text && !attachments.length) || streaming()) return;
-  const user = addNode(conv, conv.current, { role: "user", content: text, ...(attachments.length ? { images: attachments } : {}) });
-  if (conv.title === "New conversation") conv.title = (text || "Images").replace(/\s+/g, " ").slice(0, 60);
+  const images = attachments.filter((a) => a.kind === "image").map((a) => a.url);
+  const files = attachments.filter((a) => a.kind === "file").map(({ name, text }) => ({ name, text }));
+  const user = addNode(conv, conv.current, { role: "user", content: text, ...(images.length ? { images } : {}),
+                                             ...(files.length ? { files } : {}) });
+  const title = text || attachments.map((a) => a.name).join(", ");
+  if (conv.title === "New conversation") conv.title = title.replace(/\s+/g, " ").slice(0, 60);
   $("input").value = ""; attachments = []; showAttachments();
   generate(user.id);
 }
@@ -483,44 +550,67 @@ async function loadModels() {
     showCapabilities();
   } catch (e) { showNotice("Could not list models: " + e.message); }
 }
-// The Image button is offered unless the card says the model takes no images (a card without capabilities, from
-// another server, keeps it).
-const takesImages = () => cards.find((m) => m.id === $("model").value)?.capabilities?.vision !== false;
+// Images are taken unless the card says the model takes none (a card without capabilities, from another server,
+// is taken at its word: it may).
+const card = () => cards.find((m) => m.id === $("model").value);
+const takesImages = () => card()?.capabilities?.vision !== false;
 function showCapabilities() {
-  $("attach-label").hidden = !takesImages();
-  if (!takesImages() && attachments.length) { attachments = []; showAttachments(); }
+  const label = `Attach text, code or PDF files${takesImages() ? " or images" : ""} (or paste or drop them)`;
+  $("attach-button").setAttribute("aria-label", label);
+  $("attach-button").title = label;
+  if (!takesImages() && attachments.some((a) => a.kind === "image")) {
+    attachments = attachments.filter((a) => a.kind !== "image");
+    showAttachments();
+    showNotice(`The images were removed: ${$("model").value} does not take images`);
+  }
+  showContext();
 }
 $("model").addEventListener("change", () => { store.set("model", $("model").value); showCapabilities(); });
 $("api-key").addEventListener("change", loadModels);
 
-// ---- images ------------------------------------------------------------------------------------------------------
-let attachments = []; // data: URLs of the images to send with the next message
-function readAsDataURL(file) {
-  return new Promise((resolve, reject) => {
-    const reader = new FileReader();
-    reader.onload = () => resolve(reader.result);
-    reader.onerror = () => reject(reader.error);
-    reader.readAsDataURL(file);
-  });
+// How much of the model's context the open conversation fills: the prompt and answer of its last answered request
+// (the stream's usage) against the card's max_model_len.
+function showContext() {
+  const gauge = $("context"), max = card()?.max_model_len;
+  gauge.hidden = !max || !conv;
+  if (gauge.hidden) return;
+  const last = pathOf(conv).findLast((n) => n.stats?.context_tokens !== undefined);
+  const used = last?.stats.context_tokens ?? 0, share = Math.min(used / max, 1);
+  gauge.querySelector(".count").textContent = `${used} / ${max}`;
+  gauge.querySelector(".gauge > span").style.width = `${(share * 100).toFixed(1)}%`;
+  gauge.classList.toggle("full", share >= 0.9);
+  gauge.title = `Context: ${used} of the model's ${max} tokens (${Math.round(share * 100)}%) as of the last answer`;
+  for (const [name, value] of [["role", "meter"], ["aria-label", "Context used"], ["aria-valuemin", 0],
+                               ["aria-valuemax", max], ["aria-valuenow", used], ["aria-valuetext", gauge.title]]) {
+    gauge.setAttribute(name, value);
+  }
 }
+
+// ---- attachments -------------------------------------------------------------------------------------------------
+let attachments = []; // what goes with the next message: {kind: "image", name, url} or {kind: "file", name, text}
 async function attach(files) {
-  if (!takesImages()) { showNotice(`${$("model").value} does not take images`); return; }
-  for (const file of files) if (file.type.startsWith("image/")) attachments.push(await readAsDataURL(file));
+  const options = { takesImages: takesImages(), model: $("model").value };
+  for (const file of files) {
+    try { attachments.push(await readAttachment(file, options)); }
+    catch (e) { showNotice("Not attached: " + e.message); }
+  }
   showAttachments();
 }
 function showAttachments() {
   const strip = $("attachments");
   strip.innerHTML = "";
-  attachments.forEach((url, i) => {
-    const img = Object.assign(document.createElement("img"), { src: url, alt: `image ${i + 1} to send (click to remove)` });
-    img.addEventListener("click", () => { attachments.splice(i, 1); showAttachments(); });
-    strip.append(img);
+  attachments.forEach((item, i) => {
+    const remove = button("", "attachment", `Remove ${item.name}`, () => { attachments.splice(i, 1); showAttachments(); });
+    if (item.kind === "image") remove.append(Object.assign(document.createElement("img"), { src: item.url, alt: "" }));
+    else remove.append(item.name);
+    remove.append(Object.assign(document.createElement("span"), { className: "remove", textContent: "✕" }));
+    strip.append(remove);
   });
 }
-const imageFiles = (list) => [...(list ?? [])].filter((f) => f.type.startsWith("image/"));
+$("attach-button").addEventListener("click", () => $("attach").click());
 $("attach").addEventListener("change", async (e) => { await attach([...e.target.files]); e.target.value = ""; });
 $("input").addEventListener("paste", (e) => {
-  const files = imageFiles(e.clipboardData?.files);
+  const files = [...(e.clipboardData?.files ?? [])];
   if (files.length) { e.preventDefault(); attach(files); }
 });
 const main = document.querySelector("main");
@@ -532,7 +622,7 @@ main.addEventListener("dragover", (e) => {
 main.addEventListener("dragleave", () => main.classList.remove("dragging"));
 main.addEventListener("drop", (e) => {
   main.classList.remove("dragging");
-  const files = imageFiles(e.dataTransfer?.files);
+  const files = [...(e.dataTransfer?.files ?? [])];
   if (files.length) { e.preventDefault(); attach(files); }
 });
 
@@ -590,6 +680,7 @@ $("export").addEventListener("click", async () => {
   setTimeout(() => URL.revokeObjectURL(a.href), 1000);
 });
 
+$("import").addEventListener("click", () => $("import-file").click());
 $("import-file").addEventListener("change", async (e) => {
   const file = e.target.files[0];
   e.target.value = "";
@@ -625,6 +716,12 @@ $("toggle-sidebar").addEventListener("click", () => {
   else { document.body.classList.toggle("sidebar-hidden"); store.set("sidebarHidden", document.body.classList.contains("sidebar-hidden")); }
 });
 $("close-sidebar").addEventListener("click", () => setSidebarOpen(false));
+function focusSearch() { // Ctrl+K: the list is shown first where it is folded away
+  if (narrow.matches) setSidebarOpen(true);
+  else if (document.body.classList.contains("sidebar-hidden")) { document.body.classList.remove("sidebar-hidden"); store.set("sidebarHidden", false); }
+  $("search").focus();
+  $("search").select();
+}
 $("scrim").addEventListener("click", () => setSidebarOpen(false));
 document.body.classList.toggle("sidebar-hidden", store.get("sidebarHidden", false));
 
@@ -657,6 +754,7 @@ document.addEventListener("keydown", (e) => {
   if (e.key === "Escape" && streaming()) { e.preventDefault(); stop(); }
   else if (e.key === "Escape" && document.body.classList.contains("sidebar-open")) setSidebarOpen(false);
   else if ((e.ctrlKey || e.metaKey) && e.shiftKey && e.key.toLowerCase() === "o") { e.preventDefault(); startConversation(); }
+  else if ((e.ctrlKey || e.metaKey) && !e.shiftKey && !e.altKey && e.key.toLowerCase() === "k") { e.preventDefault(); focusSearch(); }
 });
 
 // ---- start -------------------------------------------------------------------------------------------------------

@@ -78,6 +78,9 @@ function cleanMessage(m) {
   const out = { role, content: String(content) };
   images = images.filter((u) => typeof u === "string" && u.startsWith("data:image/"));
   if (images.length) out.images = images;
+  const files = (Array.isArray(m.files) ? m.files : []).filter((f) => typeof f?.text === "string")
+    .map((f) => ({ name: String(f.name ?? "file"), text: f.text }));
+  if (files.length) out.files = files;
   const reasoning = m.reasoning ?? m.reasoning_content;
   if (typeof reasoning === "string" && reasoning) out.reasoning = reasoning;
   const tools = m.tools ?? m.tool_calls;

@@ -14,16 +14,20 @@ from heteroserve import web
 def test_every_referenced_asset_is_in_the_package():
     page = web.chat_page()
     referenced = re.findall(r'(?:src|href)="/static/([^"]+)"', page)
-    assert set(referenced) == {"vendor/katex.min.css", "app.css", "vendor/vendor.min.js", "app.js"}
+    assert set(referenced) == {"favicon.svg", "vendor/katex.min.css", "app.css", "vendor/vendor.min.js", "app.js"}
     assert "http://" not in page and "https://" not in page  # no CDN
     fonts = re.findall(r"url\(fonts/([^)]+)\)", web.asset("vendor/katex.min.css")[0].decode())
     assert fonts and all(f.endswith(".woff2") for f in fonts)
     modules = re.findall(r'from "\./([^"]+)"', web.asset("app.js")[0].decode())
-    assert set(modules) == {"markdown.js", "conversations.js", "storage.js"}
-    for path in referenced + modules + [f"vendor/fonts/{f}" for f in fonts]:
+    assert set(modules) == {"markdown.js", "conversations.js", "storage.js", "attachments.js"}
+    lazy = re.findall(r'import\("\./([^"]+)"\)', web.asset("attachments.js")[0].decode())  # PDF.js, on a PDF
+    assert lazy == ["vendor/pdfjs/pdf.min.mjs"]
+    lazy.append("vendor/pdfjs/pdf.worker.min.mjs")
+    for path in referenced + modules + lazy + [f"vendor/fonts/{f}" for f in fonts]:
         assert web.asset(path) is not None, path
     licences = files(web).joinpath("vendor", "licenses")
-    assert {"markdown-it.txt", "dompurify.txt", "highlight.js.txt", "katex.txt"} <= {f.name for f in licences.iterdir()}
+    expected = {"markdown-it.txt", "dompurify.txt", "highlight.js.txt", "katex.txt", "pdfjs-dist.txt"}
+    assert expected <= {f.name for f in licences.iterdir()}
 
 
 def test_only_page_assets_are_served():

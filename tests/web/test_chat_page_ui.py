@@ -6,6 +6,7 @@ dark mode. Screenshots go to tests/artifacts/chat_page_*.png."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,7 @@ def screenshot(page, name: str) -> None:
 
 def test_conversations_streaming_and_alternatives_at_1280(browser, server):
     context, page, errors = open_page(browser, server, 1280)
-    assert not page.locator("#attach-label").is_visible()  # SmolLM2 takes no images
+    assert "images" not in page.get_attribute("#attach-button", "aria-label")  # SmolLM2 takes no images
     settings(page)
     send(page, QUESTION)
     wait_idle(page, 1)
@@ -232,13 +233,13 @@ def test_imported_conversation_renders_safely_in_both_themes(browser, server, tm
 
 
 def test_image_button_follows_the_model_card(browser, server, tmp_path):
-    """SmolLM2's card says no images (the tests above); a card that says yes gets the button and previews."""
+    """SmolLM2's card says no images (the tests above); a card that says yes takes them, with previews."""
     context = browser.new_context(viewport={"width": 1280, "height": 800})
     page = context.new_page()
     card = {"id": "a-vision-model", "object": "model", "capabilities": {"vision": True}}
     page.route("**/v1/models", lambda route: route.fulfill(json={"object": "list", "data": [card]}))
     page.goto(server.base_url)
-    page.locator("#attach-label").wait_for()
+    expect(page.locator("#attach-button")).to_have_attribute("aria-label", re.compile("or images"))
     picture = tmp_path / "dot.png"
     picture.write_bytes(bytes.fromhex(PNG_1X1))
     page.set_input_files("#attach", str(picture))
@@ -250,11 +251,13 @@ def test_phone_width(browser, server):
     context, page, errors = open_page(browser, server, 390, 844)
     box = page.locator("#input").bounding_box()
     assert box["x"] >= 0 and box["x"] + box["width"] <= 390 and box["y"] + box["height"] <= 844
-    assert page.locator("#send").bounding_box()["x"] + page.locator("#send").bounding_box()["width"] <= 390
+    for control in ("#send", "#open-settings", "#theme"):  # every control on the screen, none pushed off it
+        box = page.locator(control).bounding_box()
+        assert box["x"] >= 0 and box["x"] + box["width"] <= 390, control
     aside = page.locator("aside").bounding_box()
     assert aside["x"] + aside["width"] <= 0  # collapsed: the chat has the whole width
     assert page.locator("#log").bounding_box()["width"] == 390
-    assert not page.locator("#attach-label").is_visible()
+    assert page.locator("#attach-button").is_visible()  # text files go to any model
 
     settings(page)
     send(page, QUESTION)
