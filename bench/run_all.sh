@@ -34,7 +34,7 @@ heteroserve bench serve --quantization none --concurrency 16 --num-requests 16 -
     --rounds 3 --ttft-requests 40 --ttft-rounds 4 --output-json bench/results/scenario_c.json --plot bench/results/scenario_c.png
 # As shipped (4-bit), beside llama.cpp on the same Q4_1 file when llama-cpp-python is installed (the [llama-cpp]
 # extra; without it the peer is recorded as skipped); then A with both on the file dequantised to float32
-# (llama.cpp on an F32 copy, bench/gguf_float.py).
+# (llama.cpp on an F32 copy, heteroserve/bench/peers/gguf_float.py).
 heteroserve bench latency --peer llama-cpp --rounds 5 --output-json bench/results/scenario_a_q4.json
 heteroserve bench latency --quantization none --peer llama-cpp --rounds 5 \
     --output-json bench/results/scenario_a_llama_cpp_f32.json

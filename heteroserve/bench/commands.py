@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from heteroserve.bench import PEERS
+from heteroserve.bench.peers import PEERS
 from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.help_format import DefaultsHelpFormatter
 

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from heteroserve.bench import PEERS
 from heteroserve.bench.machine import describe_machine
+from heteroserve.bench.peers import PEERS
 from heteroserve.bench.workload import jsonl_requests, random_requests, scenario_requests
 from heteroserve.engine.engine_args import EngineArgs
 from heteroserve.engine.llm_engine import LLMEngine
@@ -57,13 +57,13 @@ def runnable_peers(engine: LLMEngine, args, result: dict):
     source = resolve_model(engine.config.model.model)
     for name in args.peer:
         if name == "hf":
-            from heteroserve.bench.hf_peer import HFPeer
+            from heteroserve.bench.peers.hf_peer import HFPeer
 
             yield name, HFPeer(source, engine.model.dtype)
             continue
         if name == "vllm":
-            from heteroserve.bench.hf_folder import hf_checkpoint_folder
-            from heteroserve.bench.vllm_peer import VLLMPeer, vllm_missing
+            from heteroserve.bench.peers.hf_folder import hf_checkpoint_folder
+            from heteroserve.bench.peers.vllm_peer import VLLMPeer, vllm_missing
 
             missing = vllm_missing()
             if missing is not None:
@@ -72,7 +72,7 @@ def runnable_peers(engine: LLMEngine, args, result: dict):
                 continue
             yield name, VLLMPeer(hf_checkpoint_folder(source), engine.model.dtype, engine.model.max_model_len)
             continue
-        from heteroserve.bench.llama_cpp_peer import LlamaCppPeer, llama_cpp_missing
+        from heteroserve.bench.peers.llama_cpp_peer import LlamaCppPeer, llama_cpp_missing
 
         missing = llama_cpp_missing()
         if missing is not None:

@@ -13,7 +13,6 @@ import httpx
 
 from heteroserve.bench.engine_runs import run_batch, time_to_first_token
 from heteroserve.bench.harness import build_engine, dataset, write_report
-from heteroserve.bench.hf_folder import hf_checkpoint_folder
 from heteroserve.bench.serve import OwnServer, run_clients, start_gateway, summarize
 from heteroserve.bench.serve_pairs import (
     TTFT_OUTPUT_LEN,
@@ -25,7 +24,6 @@ from heteroserve.bench.serve_pairs import (
     pooled_rounds,
     served_throughput,
 )
-from heteroserve.bench.vllm_peer import SERVED_MODEL_NAME, start_vllm_server, vllm_dtype, vllm_missing
 from heteroserve.bench.workload import fingerprint
 from heteroserve.engine.engine_args import EngineArgs, cli_flag
 from heteroserve.model.loader import load_tokenizer
@@ -152,6 +150,9 @@ def _gateway_comparison(url: str, serving: dict, direct, prompts: ServePrompts, 
 def _vllm_comparison(serving: dict, direct, prompts: ServePrompts, args: argparse.Namespace) -> dict:
     """vLLM's OpenAI server on the same weights and the same clients as ours: its first round right after ours,
     then later rounds alternating which server goes first (each idles while the other is measured)."""
+    from heteroserve.bench.peers.hf_folder import hf_checkpoint_folder
+    from heteroserve.bench.peers.vllm_peer import SERVED_MODEL_NAME, start_vllm_server, vllm_dtype
+
     folder = hf_checkpoint_folder(resolve_model(args.model))
     dtype = vllm_dtype(args.dtype, folder)
     print("starting vLLM's OpenAI server (the first start compiles for minutes)")
@@ -189,6 +190,8 @@ def run_serve_bench(args: argparse.Namespace) -> None:
         serving, timings = _measure(url, args.served_model, prompts, args)
         direct = served_throughput(url, args, args.served_model)
         if args.peer:  # before the other comparisons, so no later round's prompts are in our prefix cache yet
+            from heteroserve.bench.peers.vllm_peer import vllm_missing
+
             missing = vllm_missing()
             if missing is not None:
                 print(f"skipping the vllm peer: {missing}")

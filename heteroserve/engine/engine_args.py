@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import json
 import typing
 from collections.abc import Callable
@@ -237,23 +238,30 @@ class EngineArgs:
         """One flag per field but `model` (`--max-model-len` for max_model_len), in the engine and parallelism
         groups; a bool is a `--x / --no-x` pair."""
         groups: dict[str, Any] = {}  # argument groups by title
-        hints = typing.get_type_hints(cls)
         for setting in fields(cls):
             if setting.name == "model":
                 continue
-            meta = setting.metadata
-            title = meta["group"]
+            title = setting.metadata["group"]
             if title not in groups:
                 groups[title] = parser.add_argument_group(title)
-            options: dict[str, Any] = {"default": setting.default, "help": meta["help"]}
-            if hints[setting.name] is bool:
-                options["action"] = argparse.BooleanOptionalAction
-            else:
-                options["type"] = meta["parse"] or _scalar_type(hints[setting.name])
-                for key in ("choices", "metavar"):
-                    if meta[key] is not None:
-                        options[key] = meta[key]
-            groups[title].add_argument(cli_flag(setting.name), *meta["aliases"], **options)
+            cls.add_cli_arg(groups[title], setting.name)
+
+    @classmethod
+    def add_cli_arg(cls, parser: argparse.ArgumentParser | Any, name: str, note: str | None = None) -> None:
+        """The flag of one setting, for a command that takes only some of them (`export onnx`'s --dtype); `note`
+        is added to its help, saying what the setting means to that command."""
+        setting = next(f for f in fields(cls) if f.name == name)
+        hint = _type_hints(cls)[name]
+        meta = setting.metadata
+        options: dict[str, Any] = {"default": setting.default, "help": meta["help"] + (f"; {note}" if note else "")}
+        if hint is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        else:
+            options["type"] = meta["parse"] or _scalar_type(hint)
+            for key in ("choices", "metavar"):
+                if meta[key] is not None:
+                    options[key] = meta[key]
+        parser.add_argument(cli_flag(name), *meta["aliases"], **options)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, model: str | None) -> EngineArgs:
@@ -334,6 +342,12 @@ class EngineArgs:
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None,
             reasoning_parser=self.reasoning_parser,
         )
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """The fields' annotations evaluated, once: every command's parser adds these flags."""
+    return typing.get_type_hints(cls)
 
 
 def cli_flag(name: str) -> str:

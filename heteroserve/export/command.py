@@ -7,7 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
-from heteroserve.export.options import DTYPES, INT4_WEIGHTS, KV_LAYOUTS, ExportOptions, parse_grid, parse_static
+from heteroserve.engine.engine_args import EngineArgs
+from heteroserve.export.options import INT4_WEIGHTS, KV_LAYOUTS, ExportOptions, parse_grid, parse_static
 from heteroserve.help_format import DefaultsHelpFormatter
 
 
@@ -21,11 +22,13 @@ def add_export_parser(commands: argparse._SubParsersAction) -> None:
     )
     onnx.add_argument("model", nargs="?", help="checkpoint folder, GGUF file or cached Hugging Face id (default model)")
     onnx.add_argument("--out", required=True, type=Path, help="the folder to write the graphs and config.json to")
-    onnx.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights, activations and KV cache")
+    EngineArgs.add_cli_arg(
+        onnx, "dtype", note="also the KV cache's; auto resolves as the engine's does on this machine's CPU"
+    )
     onnx.add_argument("--kv-layout", default="paged", choices=list(KV_LAYOUTS), help="the cache's layout")
     onnx.add_argument("--static", help="fixed sizes for compilers that need them, e.g. batch=8,seq=512,blocks=256")
-    onnx.add_argument("--block-size", type=int, default=16, help="tokens per KV block (paged layout)")
-    onnx.add_argument("--max-model-len", type=int, help="longest sequence (default: the model's context length)")
+    EngineArgs.add_cli_arg(onnx, "block_size", note="paged layout only")
+    EngineArgs.add_cli_arg(onnx, "max_model_len")
     onnx.add_argument("--opset", type=int, default=18, help="ONNX opset of the graphs")
     onnx.add_argument(
         "--int4-weights",
@@ -71,7 +74,7 @@ def run_export(args: argparse.Namespace) -> None:
     if result.matmul_nbits:
         print(f"weights: {result.matmul_nbits} 4-bit projections kept as MatMulNBits")
     if result.dequantized:
-        print(f"weights: {', '.join(result.dequantized)} dequantised to {options.dtype}")
+        print(f"weights: {', '.join(result.dequantized)} dequantised to {result.config['dtype']}")
         if "Int4Weight" in result.dequantized and options.int4_weights == "dequantize":
             print("  (--int4-weights matmulnbits keeps 4-bit projections compressed, for onnxruntime)")
     if result.config["vision_tower"] == "not exported":

@@ -8,6 +8,7 @@ graph in full (shape inference included). Compressed weights are stored dequanti
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -25,7 +26,8 @@ from heteroserve.export.matmul_nbits import TRANSLATIONS, fits_matmul_nbits
 from heteroserve.export.options import ExportOptions
 from heteroserve.export.vision_graph import VisionGraph, check_grid
 from heteroserve.model.decoder import DecoderModel
-from heteroserve.model.loader import LoadedModel
+from heteroserve.model.loader import LoadedModel, stored_dtype
+from heteroserve.platforms import resolve_platform
 
 logger = logging.getLogger(__name__)
 
@@ -151,9 +153,19 @@ def derive_decode(prefill: Path, decode: Path) -> None:
     onnx.save(proto, str(decode))
 
 
+def resolve_dtype(options: ExportOptions, loaded: LoadedModel) -> ExportOptions:
+    """--dtype auto as the engine resolves it on this machine's CPU: the checkpoint's dtype where the CPU computes
+    it, else float32 (a graph needs one concrete dtype)."""
+    if options.dtype != "auto":
+        return options
+    dtype = resolve_platform("cpu").resolve_dtype("auto", stored_dtype(loaded.source, loaded.hf_config))
+    return dataclasses.replace(options, dtype=str(dtype).removeprefix("torch."))
+
+
 def export_onnx(loaded: LoadedModel, options: ExportOptions) -> ExportResult:
     """Writes prefill.onnx and decode.onnx (their weights in .data files beside them), config.json and the
     tokenizer into `options.out`."""
+    options = resolve_dtype(options, loaded)
     model = loaded.model
     if not isinstance(model, DecoderModel) or not model.has_lm_head:
         raise ValueError("export onnx: only decoder models that generate text can be exported (not pooling models)")

@@ -48,7 +48,7 @@ def parse_grid(text: str) -> tuple[int, int, int]:
 @dataclass(frozen=True)
 class ExportOptions:
     out: Path
-    dtype: str = "float32"
+    dtype: str = "float32"  # or "auto", which export_onnx resolves against the loaded checkpoint
     kv_layout: str = "paged"
     static: dict[str, int] = field(default_factory=dict)  # fixed sizes; the other axes stay dynamic
     block_size: int = 16
@@ -58,8 +58,8 @@ class ExportOptions:
     vision_grid: tuple[int, int, int] | None = None  # a VL model's vision tower as its own graph for this grid
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"--dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         unknown = set(self.static) - set(STATIC_KEYS)
@@ -82,4 +82,6 @@ class ExportOptions:
     def torch_dtype(self) -> torch.dtype:
         import torch
 
+        if self.dtype == "auto":
+            raise ValueError("dtype auto is resolved against the checkpoint first (onnx_export.resolve_dtype)")
         return getattr(torch, self.dtype)

@@ -334,3 +334,29 @@ def test_serve_passes_every_engine_flag_to_the_server_it_starts():
     server_args = make_parser().parse_args(server_flags(bench_args))
     assert EngineArgs.from_cli_args(server_args, None) == EngineArgs.from_cli_args(bench_args, None)
     assert EngineArgs.from_cli_args(bench_args, None) != EngineArgs()
+
+
+# Runs `heteroserve bench ARGV`, imports the module of every user-facing bench command, then prints which peer
+# harnesses (heteroserve.bench.peers.*) and peer runtimes the process loaded.
+PEER_PROBE = """
+import importlib, json, sys
+from heteroserve.entrypoints.cli import main
+main(sys.argv[1:])
+for command in ("latency_command", "throughput_command", "serve_command", "soak"):
+    importlib.import_module(f"heteroserve.bench.{command}")
+runtimes = ("llama_cpp", "vllm", "sentence_transformers")
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("heteroserve.bench.peers.") or m in runtimes)))
+"""
+
+
+def test_our_engine_alone_loads_no_peer_harness(tmp_path):
+    """The peers' harnesses are imported when a run names one (--peer), never for our engine alone."""
+    out = tmp_path / "latency.json"
+    argv = ["bench", "latency", "--input-len", "8", "--output-len", "2", "--repeats", "1", "--output-json", str(out)]
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    result = subprocess.run(
+        [sys.executable, "-c", PEER_PROBE, *argv, *SMALL], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == []
+    assert json.loads(out.read_text())["peers"] == {}

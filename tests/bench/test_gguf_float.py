@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 from transformers import AutoModelForCausalLM
 
-from heteroserve.bench.gguf_float import float_gguf
+from heteroserve.bench.peers.gguf_float import float_gguf
 from tests.model.test_gguf import COMMON_GGUF, write_gguf
 from tests.model.tiny_models import build_hf_model
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from heteroserve.bench.harness import runnable_peers
+from heteroserve.bench.peers.vllm_peer import VLLMPeer, vllm_dtype
 from heteroserve.bench.throughput_command import _configurations
-from heteroserve.bench.vllm_peer import VLLMPeer, vllm_dtype
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -52,3 +52,41 @@ def test_options_that_do_not_fit_the_model_are_refused(capsys, tmp_path):
         capsys, str(tiny.folder), "--out", str(tmp_path / "out"), "--static", "seq=100", "--max-model-len", "64"
     )
     assert "--static seq=100 exceeds --max-model-len 64" in message
+
+
+def test_engine_settings_read_as_the_engines(capsys):
+    """--dtype, --block-size and --max-model-len are EngineArgs' flags: the same choices, defaults and help."""
+    import argparse
+
+    from heteroserve.engine.engine_args import EngineArgs
+
+    with pytest.raises(SystemExit):
+        main(["export", "onnx", "--help"])
+    export_help = " ".join(capsys.readouterr().out.split())
+    engine = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(engine)
+    for action in engine._actions:
+        if action.dest in ("dtype", "block_size", "max_model_len"):
+            assert " ".join(action.help.split()) in export_help, action.dest
+    assert "{auto,float32,bfloat16,float16}" in export_help and "(default: auto)" in export_help
+
+
+@pytest.mark.parametrize("stored", ["float32", "bfloat16", "float16"])
+def test_auto_dtype_is_resolved_as_the_engine_resolves_it(stored, tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from heteroserve.export.onnx_export import resolve_dtype
+    from heteroserve.export.options import ExportOptions
+    from heteroserve.platforms import resolve_platform
+
+    loaded = SimpleNamespace(source=SimpleNamespace(gguf_file=None), hf_config=SimpleNamespace(dtype=stored))
+    engine = resolve_platform("cpu").resolve_dtype("auto", getattr(torch, stored))
+    resolved = resolve_dtype(ExportOptions(out=tmp_path, dtype="auto"), loaded)
+    assert resolved.dtype == str(engine).removeprefix("torch.")
+    gguf = SimpleNamespace(
+        source=SimpleNamespace(gguf_file=tmp_path / "m.gguf"), hf_config=SimpleNamespace(dtype=stored)
+    )
+    assert resolve_dtype(ExportOptions(out=tmp_path, dtype="auto"), gguf).dtype == "float32"  # dequantised tensors
+    assert resolve_dtype(ExportOptions(out=tmp_path, dtype="float16"), loaded).dtype == "float16"

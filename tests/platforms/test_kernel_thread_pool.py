@@ -156,7 +156,7 @@ def test_every_engine_of_a_process_and_its_peers_get_the_same_threads(library):
         "import torch\n"
         "torch.set_num_threads(3)\n"
         "from heteroserve.platforms.cpu.platform import CpuPlatform\n"
-        "from heteroserve.bench.vllm_peer import vllm_environment\n"
+        "from heteroserve.bench.peers.vllm_peer import vllm_environment\n"
         "from heteroserve.platforms.cpu.platform import torch_at_process_threads\n"
         "for _ in range(2):\n"
         "    platform = CpuPlatform(); platform.configure_process(); platform.assign_threads(torch.float32)\n"

@@ -37,14 +37,13 @@ from heteroserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     now,
 )
-from heteroserve.entrypoints.openai.server_args import make_parser
+from heteroserve.entrypoints.openai.server_args import ServerArgs, make_parser
 from heteroserve.entrypoints.openai.serving import Admission, ServerSettings, check_fields
 from heteroserve.entrypoints.openai.serving_chat import ServingChat
 from heteroserve.entrypoints.openai.serving_completion import ServingCompletion
 from heteroserve.entrypoints.openai.serving_pooling import require_task
 from heteroserve.lora.request import LoRARequest
 from heteroserve.metrics.prometheus import ServerMetrics
-from heteroserve.multimodal.media import MediaPolicy
 from heteroserve.pooling_params import PoolingParams
 from heteroserve.sampling_params import SamplingParams
 
@@ -279,44 +278,27 @@ def run_server(args: argparse.Namespace) -> None:
 def _start(args: argparse.Namespace) -> tuple[AsyncLLMEngine, DrainingServer, socket.socket]:
     """The engine and the HTTP server on its bound socket, the port bound first so that a taken one is told
     before minutes of loading (a worker node binds nothing, serves the head's ranks and exits here)."""
-    listen_socket = bind_listen_socket(args.host, args.port) if args.node_rank == 0 else None
-    if listen_socket is not None and not is_loopback(args.host) and args.api_key is None:
+    server = ServerArgs.from_cli_args(args)
+    engine_args = EngineArgs.from_cli_args(args, args.model or args.model_tag)
+    listen_socket = bind_listen_socket(server.host, server.port) if engine_args.node_rank == 0 else None
+    if listen_socket is not None and not is_loopback(server.host) and server.api_key is None:
         logger.warning(
             "listening on %s, reachable from other machines, without --api-key: anyone who reaches it can use "
             "the model (pass --api-key KEY, or --host 127.0.0.1 for this machine only)",
-            args.host,
+            server.host,
         )
-    model = args.model or args.model_tag
-    config = EngineArgs.from_cli_args(args, model).create_engine_config()
-    media = MediaPolicy.from_config(
-        config.multimodal,
-        allow_remote=args.allow_remote_media or bool(args.allowed_media_domains),
-        allowed_domains=frozenset(args.allowed_media_domains) if args.allowed_media_domains else None,
-        allowed_local_path=Path(args.allowed_local_media_path) if args.allowed_local_media_path else None,
-        max_bytes=args.max_image_bytes,
-        timeout_s=args.media_fetch_timeout,
-    )
+    config = engine_args.create_engine_config()
+    media = server.media_policy(config.multimodal)
     if config.parallel.node_rank > 0:  # a worker node: no engine, no HTTP; it serves the head's ranks
         from heteroserve.executor.worker_process import run_node
 
         raise SystemExit(run_node(config))
-    for name in ("request_timeout", "chat_template_timeout", "max_request_body_bytes", "max_prompts_per_request"):
-        if getattr(args, name) is not None and getattr(args, name) <= 0:
-            raise SystemExit(f"--{name.replace('_', '-')} must be positive")
-    chat_template = args.chat_template
-    if chat_template is not None:
-        path = Path(chat_template)
-        chat_template = path.read_text() if path.is_file() else chat_template
-    if (args.lora_modules or args.allow_runtime_lora_updating) and config.lora is None:
-        raise SystemExit("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
-    if args.allow_runtime_lora_updating and args.api_key is None:
-        raise SystemExit("--allow-runtime-lora-updating needs --api-key: it lets clients make the server read folders")
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
+    server.check(engine_args)
+    chat_template = server.chat_template_text()
     engine = AsyncLLMEngine.from_config(config)
-    names = args.served_model_name or [served_name(engine.model.model_name)]
+    names = server.served_model_name or [served_name(engine.model.model_name)]
     lora_modules = LoRAModules()
-    for name, path, base in args.lora_modules or ():
+    for name, path, base in server.lora_modules or ():
         lora = lora_modules.new(name, path)
         try:
             if name in names:
@@ -332,33 +314,33 @@ def _start(args: argparse.Namespace) -> tuple[AsyncLLMEngine, DrainingServer, so
             raise
     settings = ServerSettings(
         names,
-        args.max_waiting_requests,
-        args.request_timeout,
+        server.max_waiting_requests,
+        server.request_timeout,
         chat_template,
         media,
-        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-        reasoning_parser=args.reasoning_parser,
-        trust_request_chat_template=args.trust_request_chat_template,
-        chat_template_timeout=args.chat_template_timeout,
-        max_request_body_bytes=args.max_request_body_bytes,
-        max_prompts_per_request=args.max_prompts_per_request,
-        metrics_prefix=args.metrics_prefix,
+        tool_call_parser=server.tool_call_parser if server.enable_auto_tool_choice else None,
+        reasoning_parser=engine_args.reasoning_parser,
+        trust_request_chat_template=server.trust_request_chat_template,
+        chat_template_timeout=server.chat_template_timeout,
+        max_request_body_bytes=server.max_request_body_bytes,
+        max_prompts_per_request=server.max_prompts_per_request,
+        metrics_prefix=server.metrics_prefix,
         lora_modules=lora_modules,
         model_root=engine.model.model_name,
     )
     app = build_app(
         engine,
         settings,
-        args.api_key,
-        args.allowed_origins,
-        args.enable_log_requests,
-        args.allow_runtime_lora_updating,
-        url=page_url(args.host, listen_socket.getsockname()[1]),
+        server.api_key,
+        server.allowed_origins,
+        server.enable_log_requests,
+        server.allow_runtime_lora_updating,
+        url=page_url(server.host, listen_socket.getsockname()[1]),
     )
     server_config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5
+        app, host=server.host, port=server.port, log_level=server.uvicorn_log_level, timeout_graceful_shutdown=5
     )
-    return engine, DrainingServer(server_config, app.state.server, args.drain_timeout), listen_socket
+    return engine, DrainingServer(server_config, app.state.server, server.drain_timeout), listen_socket
 
 
 def main() -> None:

@@ -90,12 +90,11 @@ def load_model(
             raise ValueError(f"--quantization {quantization} does not match {source.gguf_file}: it is a GGUF file")
         reader = open_gguf(source.gguf_file)
         hf_config = gguf_config(reader)
-        checkpoint_dtype = torch.float32  # of the tensors that are dequantised
         tensors = iterate_gguf(reader, hf_config, keep_quantized=quantization != "none")
     else:
         hf_config = read_model_config(source.folder)
-        checkpoint_dtype = _config_dtype(hf_config)
         st = read_sentence_transformers(source.folder)
+    checkpoint_dtype = stored_dtype(source, hf_config)
     task = "generate" if source.gguf_file is not None else model_task(hf_config, st, config.runner)
     if task != "generate" and parallel is not None and parallel.world_size > 1:
         raise ValueError(
@@ -297,6 +296,12 @@ def _checkpoint_tensors(
     if quantize and quantization in ("int4", "int8"):
         return quantize_projections(tensors, quantization, projections)
     return tensors
+
+
+def stored_dtype(source: ModelSource, hf_config: PretrainedConfig) -> torch.dtype:
+    """The dtype of the checkpoint's float tensors, which dtype="auto" keeps where the platform computes it (a GGUF
+    file's tensors are dequantised to float32)."""
+    return torch.float32 if source.gguf_file is not None else _config_dtype(hf_config)
 
 
 def _config_dtype(config: PretrainedConfig) -> torch.dtype:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from heteroserve.bench.hf_peer import PeerRun, Requests
+from heteroserve.bench.peers.hf_peer import PeerRun, Requests
 from heteroserve.bench.serve import OwnServer
 from heteroserve.platforms.cpu.platform import process_threads
 
@@ -25,9 +25,9 @@ SERVED_MODEL_NAME = "vllm-peer"
 
 
 def vllm_venv() -> Path:
-    """vLLM's virtualenv: $HETEROSERVE_VLLM_VENV, or .venv-vllm beside this package (where
+    """vLLM's virtualenv: $HETEROSERVE_VLLM_VENV, or .venv-vllm beside the heteroserve package (where
     scripts/setup-vllm-peer.sh makes it)."""
-    return Path(os.environ.get("HETEROSERVE_VLLM_VENV") or Path(__file__).resolve().parents[2] / ".venv-vllm")
+    return Path(os.environ.get("HETEROSERVE_VLLM_VENV") or Path(__file__).resolve().parents[3] / ".venv-vllm")
 
 
 def vllm_missing() -> str | None:

@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from heteroserve.bench.gguf_float import float_gguf
-from heteroserve.bench.hf_peer import PeerRun, Requests
+from heteroserve.bench.peers.gguf_float import float_gguf
+from heteroserve.bench.peers.hf_peer import PeerRun, Requests
 from heteroserve.model.loader.source import ModelSource
 from heteroserve.platforms.cpu.platform import process_threads
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from heteroserve.bench.hf_folder import CACHE, file_key
+from heteroserve.bench.peers.hf_folder import CACHE, file_key
 
 # llama.cpp's llama_ftype values for the file types written here (general.file_type).
 _FILE_TYPES = {torch.float32: ("f32", 0), torch.bfloat16: ("bf16", 32)}
