@@ -14,8 +14,11 @@ import importlib
 import importlib.metadata
 import logging
 from dataclasses import dataclass
+from typing import TypeVar
 
 from heteroserve.platforms.interface import Platform
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +33,12 @@ class PluginPlatform:
     error: str | None = None
 
 
-def load_class(qualname: str) -> type[Platform]:
+def load_class(qualname: str, base: type[T] = Platform) -> type[T]:
+    """The class a dotted name ("package.module.Class") names, which must subclass `base`."""
     module_name, _, class_name = qualname.rpartition(".")
     cls = getattr(importlib.import_module(module_name), class_name)
-    if not (isinstance(cls, type) and issubclass(cls, Platform)):
-        raise TypeError(f"{qualname} is not a heteroserve Platform subclass")
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise TypeError(f"{qualname} is not a heteroserve {base.__name__} subclass")
     return cls
 
 

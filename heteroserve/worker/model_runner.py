@@ -88,7 +88,7 @@ class ModelRunner:
         ]
         self.attn_backend = loaded.model.attn_backend  # lays out each layer's cache (kv_cache_shape)
         needs = self._blocks_per_request(loaded.max_model_len, max_num_batched_tokens)
-        budget = None
+        requests = None  # how many requests of max_model_len the budget holds
         if not cache_config.num_kv_blocks:
             request_bytes = self._request_bytes(needs)
             budget = platform.kv_cache_budget_bytes(
@@ -104,7 +104,8 @@ class ModelRunner:
                 max_num_seqs * request_bytes / 2**20,
                 "" if cache_config.kv_cache_memory_bytes is not None else "; --kv-cache-memory-bytes sets it",
             )
-        self.kv_groups = self._size_groups(budget, cache_config.num_kv_blocks, needs, loaded.max_model_len)
+            requests = budget / request_bytes
+        self.kv_groups = self._size_groups(requests, cache_config.num_kv_blocks, needs, loaded.max_model_len)
         self.num_blocks = self.kv_groups[0].num_blocks  # the full-attention layers' where the model has any
         capture = self._graph_capture(platform, enforce_eager, loaded)
         # Recorded decode graphs pad a step with rows that write to one block of each group past the pool's.
@@ -201,16 +202,12 @@ class ModelRunner:
         return sum(n * self.bytes_per_block(len(layers)) for n, layers in zip(needs, self.group_layers, strict=True))
 
     def _size_groups(
-        self, budget: int | None, num_kv_blocks: int | None, needs: list[int], max_model_len: int
+        self, requests: float | None, num_kv_blocks: int | None, needs: list[int], max_model_len: int
     ) -> list[KVGroupSpec]:
-        """Blocks per KV group: `num_kv_blocks` each where given; otherwise the budget is shared so that every group
-        holds the same number of requests at max_model_len (`needs`: one request's blocks in each group)."""
+        """Blocks per KV group: `num_kv_blocks` each where given; otherwise the budget's share, so that every group
+        holds the same number of `requests` at max_model_len (`needs`: one request's blocks in each group)."""
         bs = self.block_size
-        if num_kv_blocks:
-            counts = [num_kv_blocks] * len(self.windows)
-        else:
-            requests = budget / self._request_bytes(needs)
-            counts = [int(requests * n) for n in needs]
+        counts = [num_kv_blocks] * len(self.windows) if num_kv_blocks else [int(requests * n) for n in needs]
         for window, count, need in zip(self.windows, counts, needs, strict=True):
             if count < need:
                 group = ""

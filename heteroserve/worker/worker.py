@@ -7,7 +7,6 @@ Every executor (in-process, worker processes, Ray actors) drives the same `Worke
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from heteroserve.model.layers.pooler import PoolerSpec
 from heteroserve.model.loader import load_model
 from heteroserve.model.sharding import check_tensor_parallel
 from heteroserve.platforms import Platform, resolve_platform
+from heteroserve.platforms.plugins import load_class
 from heteroserve.worker.encoder_runner import EncoderRunner
 from heteroserve.worker.model_runner import ModelRunner, StepResult
 from heteroserve.worker.step_wire import StepDecoder, WireStep
@@ -143,10 +143,4 @@ def model_runner_class(platform: Platform) -> type[ModelRunner]:
     """ModelRunner, or the subclass the platform names in `model_runner_class`."""
     if platform.model_runner_class is None:
         return ModelRunner
-    module_name, _, class_name = platform.model_runner_class.rpartition(".")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    if not (isinstance(cls, type) and issubclass(cls, ModelRunner)):
-        raise TypeError(
-            f"{platform.name}'s model_runner_class {platform.model_runner_class} is not a ModelRunner subclass"
-        )
-    return cls
+    return load_class(platform.model_runner_class, ModelRunner)

@@ -138,11 +138,22 @@ def _under(watcher: HostReads, method: Callable) -> Callable:
     return run
 
 
+# The top-2 logprob margin of every greedy token the current case produced (its `logprobs=2`): how far from a tie
+# each compared token was. run_cases reports the smallest per case and clears it.
+MARGINS: list[float] = []
+
+
 def greedy(max_tokens: int = NEW_TOKENS, ignore_eos: bool = True, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, **kwargs)
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, logprobs=2, **kwargs)
 
 
 def token_ids(outputs) -> list[list[int]]:
+    """Each output's tokens; their top-2 margins go to MARGINS."""
+    for output in outputs:
+        for entry in output.outputs[0].logprobs or []:
+            top = sorted((e.logprob for e in entry.values()), reverse=True)
+            if len(top) > 1:
+                MARGINS.append(top[0] - top[1])
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
@@ -375,6 +386,7 @@ def run_cases(device: str, models: Path, names: list[str]) -> list[dict]:
     lines = []
     for name in names:
         replays.clear()
+        MARGINS.clear()
         start = time.perf_counter()
         if missing and CASES[name] in NEEDS_DEFAULT_MODEL:
             result = {"skipped": missing}
@@ -387,6 +399,8 @@ def run_cases(device: str, models: Path, names: list[str]) -> list[dict]:
             except Exception as error:  # reported per case; the comparison names it
                 result = {"error": f"{type(error).__name__}: {error}"}
         result.update(case=name, seconds=round(time.perf_counter() - start, 1), graph_replays=replays["replays"])
+        if MARGINS:
+            result["smallest_top2_margin"] = round(min(MARGINS), 5)
         print(json.dumps(result), flush=True)
         lines.append(result)
     return lines
@@ -400,8 +414,8 @@ def compare(lines: list[dict], reference: Path, device: str) -> bool:
         if "case" in entry
     }
     print(
-        f"\n| case | tokens equal to the CPU platform's | {device} s | cpu s | decode steps replayed from graphs |"
-        "\n|---|---|---|---|---|"
+        f"\n| case | tokens equal to the CPU platform's | smallest top-2 logprob margin on the CPU | {device} s "
+        "| cpu s | decode steps replayed from graphs |\n|---|---|---|---|---|---|"
     )
     good = True
     for line in lines:
@@ -415,8 +429,8 @@ def compare(lines: list[dict], reference: Path, device: str) -> bool:
         else:
             verdict, good = "no: the tokens differ", False
         print(
-            f"| {line['case']} | {verdict} | {line['seconds']} | {cpu.get('seconds', '-')} | "
-            f"{line.get('graph_replays', 0)} |"
+            f"| {line['case']} | {verdict} | {cpu.get('smallest_top2_margin', '-')} | {line['seconds']} | "
+            f"{cpu.get('seconds', '-')} | {line.get('graph_replays', 0)} |"
         )
     return good
 

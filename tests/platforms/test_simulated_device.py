@@ -93,7 +93,11 @@ def test_tokens_equal_the_cpu_platforms(case, on_cpu, on_sim):
     assert "tokens" in sim, sim
     assert "tokens" in cpu, cpu
     assert sim["tokens"] == cpu["tokens"]
-    print(f"{case}: {sum(map(len, sim['tokens']))} tokens equal; sim {sim['seconds']} s, cpu {cpu['seconds']} s")
+    margin = cpu.get("smallest_top2_margin", "not asked")
+    print(
+        f"{case}: {sum(map(len, sim['tokens']))} tokens equal (smallest top-2 logprob margin {margin}); "
+        f"sim {sim['seconds']} s, cpu {cpu['seconds']} s"
+    )
 
 
 def test_tensor_parallel_ranks_give_one_ranks_tokens(on_sim):

@@ -158,7 +158,7 @@ class ServerArgs:
 
     def check(self, engine: EngineArgs) -> None:
         """Each set field against its own check, then against the settings it needs (the server's or the
-        engine's); the first problem stops the server, naming the flags."""
+        engine's); the first problem is a ValueError naming the flags (run_server: one line, exit 2)."""
         for setting in fields(self):
             value = getattr(self, setting.name)
             if value is None or value is False:
@@ -166,11 +166,11 @@ class ServerArgs:
             meta = setting.metadata
             problem = meta["check"](value) if meta["check"] else None
             if problem:
-                raise SystemExit(f"{cli_flag(setting.name)} {problem}")
+                raise ValueError(f"{cli_flag(setting.name)} {problem}")
             for name, why in meta["needs"].items():
                 needed = getattr(self, name) if hasattr(self, name) else getattr(engine, name)
                 if needed is None or needed is False:
-                    raise SystemExit(f"{cli_flag(setting.name)} needs {cli_flag(name)}{why}")
+                    raise ValueError(f"{cli_flag(setting.name)} needs {cli_flag(name)}{why}")
 
     def chat_template_text(self) -> str | None:
         """--chat-template as given inline, or the file it names read."""
