@@ -25,7 +25,7 @@ from torch import nn
 
 from heteroserve.model.arch import MoESpec
 from heteroserve.model.layers.parameters import empty_vector, empty_weight
-from heteroserve.platforms.operators import OperatorTable
+from heteroserve.platforms.operators import FusedExperts, OperatorTable
 
 
 def route(
@@ -80,9 +80,11 @@ class MoEBlock(nn.Module):
         self.spec = spec
         self.linear = ops.linear  # the shared experts'
         self.activation = _activation(ops, activation)
-        expert_ops = host_ops or ops
+        self.expert_ops = expert_ops = host_ops or ops
         self.expert_linear = expert_ops.linear
         self.expert_activation = _activation(expert_ops, activation)
+        self.activation_name = activation
+        self.fused_experts: FusedExperts | None = None  # the platform's one-call kernel for the routed experts
         self.stays_on_host = ROUTED_ATTRIBUTES if host_ops is not None else frozenset()
         self.host_crossings = 0  # forwards that sent hidden states to the host experts and their sum back
         self.host_dtype: torch.dtype | None = None  # the host experts' activations where not the model's
@@ -111,6 +113,17 @@ class MoEBlock(nn.Module):
             prepare(w.data) if isinstance(w, torch.Tensor) else prepare(w) for w in self.experts_gate_up
         ]
         self.experts_down = [prepare(w.data) if isinstance(w, torch.Tensor) else prepare(w) for w in self.experts_down]
+        fuser = self.expert_ops.fuse_experts
+        plain = not self.spec.expert_bias and self.spec.swiglu_limit is None
+        if fuser is not None and plain:
+            self.fused_experts = fuser(
+                self.experts_gate_up,
+                self.experts_down,
+                self.activation_name,
+                self.first_expert,
+                self.router.data,
+                self.router_bias,
+            )
 
     @property
     def experts_on_host(self) -> bool:
@@ -131,9 +144,18 @@ class MoEBlock(nn.Module):
 
     def _routed(self, h: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for each row of `h`, in float32 on h's device."""
+        if self.fused_experts is not None:
+            logits = self.fused_experts.router_logits(h)
+        else:
+            logits = F.linear(h.float(), self.router, self.router_bias)
+        weights, ids = route(logits, self.spec, self.correction_bias)
+        return self._experts(h, ids, weights)
+
+    def _experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each row's weighted sum of its chosen experts (`ids`, `weights`: [T, top_k]), in float32."""
+        if self.fused_experts is not None:
+            return self.fused_experts(h, ids, weights)
         spec = self.spec
-        logits = F.linear(h.float(), self.router, self.router_bias)
-        weights, ids = route(logits, spec, self.correction_bias)
         flat = ids.flatten()
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, tokens ascending in each
         counts = torch.bincount(flat, minlength=spec.num_experts).tolist()

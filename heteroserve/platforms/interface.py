@@ -15,6 +15,7 @@ from heteroserve.platforms.graph_capture import GraphCapture
 from heteroserve.platforms.operators import (
     OPERATORS,
     DecodeLayerFuser,
+    ExpertsFuser,
     Kernel,
     LinearOp,
     OperatorTable,
@@ -165,11 +166,17 @@ class Platform:
             self.operator_fallbacks,
             self.is_unsupported_error,
             self.decode_layer_fuser(dtype, kernels),
+            self.experts_fuser(dtype, kernels),
         )
 
     def decode_layer_fuser(self, dtype: torch.dtype, kernels: str = "auto") -> DecodeLayerFuser | None:
         """A platform whose kernels can run a whole decoder layer of a decode step in one call returns the
         function that binds one to a layer's weights; None keeps the layer operator by operator."""
+        return None
+
+    def experts_fuser(self, dtype: torch.dtype, kernels: str = "auto") -> ExpertsFuser | None:
+        """A platform that runs a mixture-of-experts layer's routed experts for a step in one call returns the
+        function that binds one to a layer's experts; None runs them expert by expert (model/moe.py)."""
         return None
 
     def graph_capture(self) -> GraphCapture | None:

@@ -14,6 +14,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -155,6 +156,22 @@ FusedDecodeLayer = Callable[..., torch.Tensor]
 DecodeLayerFuser = Callable[[DecodeLayerWeights], FusedDecodeLayer | None]
 
 
+class FusedExperts(Protocol):
+    """A platform's one-call kernel for a MoE layer's routed experts (and its router's product)."""
+
+    def router_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The router's float32 logits [T, num_experts], each row's bits the same at every row count."""
+
+    def __call__(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The weighted sum [T, hidden] in float32 of each row's experts (`ids`, `weights`: [T, top_k])."""
+
+
+# Given a MoE layer's routed experts (gate_up and down projections as the linear op prepared them, the activation's
+# operator name, the id of the first of them) and its router (float32 weight, bias or None), the platform's
+# one-call kernel for them, or None where it has none.
+ExpertsFuser = Callable[[list, list, str, int, torch.Tensor, torch.Tensor | None], FusedExperts | None]
+
+
 @dataclass(frozen=True)
 class OperatorSpec:
     reference: Kernel
@@ -202,6 +219,7 @@ class OperatorTable:
         fallbacks: Counter[str] | None = None,
         is_unsupported: Callable[[BaseException], bool] = means_unsupported,
         fuse_decode_layer: DecodeLayerFuser | None = None,
+        fuse_experts: ExpertsFuser | None = None,
     ) -> None:
         unknown = set(kernels) - set(OPERATORS)
         if unknown:
@@ -212,6 +230,7 @@ class OperatorTable:
         linear.fallbacks = self.fallbacks
         self.is_unsupported = is_unsupported
         self.fuse_decode_layer = fuse_decode_layer  # optional: the operators above, chained in one call
+        self.fuse_experts = fuse_experts  # optional: a MoE layer's routed experts in one call
         self._logged: set[str] = set()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -307,6 +326,7 @@ class OperatorTable:
         names["decode_layer"] = (
             kernel_name(self.fuse_decode_layer) if self.fuse_decode_layer else "operator by operator"
         )
+        names["moe_experts"] = kernel_name(self.fuse_experts) if self.fuse_experts else "expert by expert"
         return names
 
 

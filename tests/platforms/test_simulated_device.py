@@ -128,7 +128,8 @@ def test_routed_experts_run_on_the_cpu_beside_the_device(on_cpu, on_sim):
     # Two prompts prefilled in one step, then one decode step for each of the other NEW_TOKENS - 1 tokens.
     assert sim["host_crossings"] == sim["moe_layers"] * NEW_TOKENS, sim
     on_purpose = on_sim[1]["host_side_on_purpose"]
-    assert sum(count for name, count in on_purpose.items() if "linear" in name) > 0, on_purpose
+    # The experts' products: the CPU's fused experts kernel, or its linear kernels expert by expert.
+    assert sum(count for name, count in on_purpose.items() if "linear" in name or "moe_experts" in name) > 0
     print(f"{sim['host_crossings']} crossings over {sim['moe_layers']} MoE layers; host-side operators {on_purpose}")
 
 

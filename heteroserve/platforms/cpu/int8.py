@@ -66,12 +66,12 @@ class CpuInt8Weight:
 @dataclass
 class CpuGroupedInt8Weight:
     """Grouped 8-bit weights (GGUF Q8_0 and the 5/6-bit types kept at 8 bits, grouped GPTQ 8-bit, a tied Q8_0 LM
-    head) kept at 8 bits and multiplied in float32 arithmetic. Up to `KERNEL_MAX_ROWS` rows (decode) the C++
-    kernel reads them in place, a quarter of the bytes of a float32 copy, which bounds decode rows.
-    Larger batches dequantise 32 output rows at a time into a panel of the float32 GEMM and multiply there
-    (int8_panel_linear, AVX-512 builds; docs/QUANTIZATION.md has the timings); elsewhere `SLICE_ROWS` output
-    rows at a time exactly into a float32 buffer small enough to stay in cache, for torch's mm. Either way no
-    float copy of the weight exists.
+    head) kept at 8 bits and multiplied in float32 arithmetic by the C++ library's int8_grouped_product, which
+    picks the kernel by row count: up to `KERNEL_MAX_ROWS` rows (decode) it reads them in place, a quarter of the
+    bytes of a float32 copy, which bounds decode rows; larger batches dequantise 32 output rows at a time into a
+    panel of the float32 GEMM and multiply there (AVX-512 builds; docs/QUANTIZATION.md has the timings), elsewhere
+    `SLICE_ROWS` output rows at a time exactly into a float32 buffer small enough to stay in cache, for torch's mm.
+    Either way no float copy of the weight exists.
     torch's int8 kernel would round activations to bfloat16, which changed the default model's answers."""
 
     weight: Int8Weight
@@ -94,32 +94,26 @@ class CpuGroupedInt8Weight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w = self.weight
-        if x.shape[0] <= self.KERNEL_MAX_ROWS and w.group_size % 16 == 0 and cpu_kernels.load_library():
-            out = torch.ops.heteroserve.int8_grouped_linear(x.float(), w.q, w.scale, w.zero).to(x.dtype)
-        elif w.group_size % 16 == 0 and w.shape[0] % 32 == 0 and cpu_kernels.int8_panel_available():
-            out = torch.ops.heteroserve.int8_panel_linear(x.float(), w.q, w.scale, w.zero).to(x.dtype)
+        if w.group_size % 16 == 0 and cpu_kernels.load_library():
+            out = torch.ops.heteroserve.int8_grouped_product(x.float(), w.q, w.scale, w.zero).to(x.dtype)
         else:
             out = self._by_slices(x)
         return out if bias is None else out + bias
 
     def _by_slices(self, x: torch.Tensor) -> torch.Tensor:
+        """Without the C++ library (or for groups it cannot read): slices of output rows dequantised by torch."""
         w = self.weight
         n, k = w.shape
         groups = k // w.group_size
         out_t = torch.empty(n, x.shape[0], dtype=torch.float32)  # slices of output rows are contiguous here
         buffer = torch.empty(min(self.SLICE_ROWS, n), groups, w.group_size, dtype=torch.float32)
         x_t = x.float().T
-        one_pass = w.group_size % 16 == 0 and cpu_kernels.load_library()
         for start in range(0, n, self.SLICE_ROWS):
             rows = slice(start, min(start + self.SLICE_ROWS, n))
             count = rows.stop - start
             grouped = buffer[:count]
-            zero = None if w.zero is None else w.zero[rows]
-            if one_pass:  # one C++ pass (torch's mul converts the int8 to a float copy first, then multiplies)
-                torch.ops.heteroserve.int8_grouped_dequantize(w.q[rows], w.scale[rows], zero, grouped.view(count, k))
-            else:
-                torch.mul(w.q[rows].view(count, groups, w.group_size), w.scale[rows, :, None], out=grouped)
-                if zero is not None:
-                    grouped += zero[:, :, None]
+            torch.mul(w.q[rows].view(count, groups, w.group_size), w.scale[rows, :, None], out=grouped)
+            if w.zero is not None:
+                grouped += w.zero[rows, :, None]
             torch.mm(grouped.view(count, k), x_t, out=out_t[rows])
         return out_t.T.to(x.dtype)

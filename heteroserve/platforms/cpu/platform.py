@@ -22,9 +22,10 @@ from heteroserve.platforms.cpu import kernels as cpu_kernels
 from heteroserve.platforms.cpu.decode_layer import fuse_decode_layer
 from heteroserve.platforms.cpu.int4 import CpuInt4Weight
 from heteroserve.platforms.cpu.int8 import CpuGroupedInt8Weight, CpuInt8Weight
+from heteroserve.platforms.cpu.moe_experts import experts_fuser
 from heteroserve.platforms.cpu.packed import CpuPackedWeight, bfloat16_gemm_available, bfloat16_gemm_kernel
 from heteroserve.platforms.interface import Platform
-from heteroserve.platforms.operators import REFERENCE_LINEAR, DecodeLayerFuser, Kernel, LinearOp
+from heteroserve.platforms.operators import REFERENCE_LINEAR, DecodeLayerFuser, ExpertsFuser, Kernel, LinearOp
 from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.int4 import Int4Weight
 from heteroserve.quantization.int8 import Int8Weight
@@ -334,11 +335,18 @@ class CpuPlatform(Platform):
     def decode_layer_fuser(self, dtype: torch.dtype, kernels: str = "auto") -> DecodeLayerFuser | None:
         """The fused layer chains this platform's own C++ kernels, so a subclass that brings other kernels (a
         vendor plugin built on the CPU platform) keeps them on every step unless it overrides this as well."""
+        return fuse_decode_layer if self._chains_own_kernels(dtype, kernels) else None
+
+    def experts_fuser(self, dtype: torch.dtype, kernels: str = "auto") -> ExpertsFuser | None:
+        """As decode_layer_fuser: this platform's own C++ kernels, chained over a MoE layer's chosen experts."""
+        return experts_fuser(dtype) if self._chains_own_kernels(dtype, kernels) else None
+
+    def _chains_own_kernels(self, dtype: torch.dtype, kernels: str) -> bool:
+        """Whether one-call chains of this platform's C++ kernels may run: its own kernels in use (not a plugin's
+        in their place), all of them, in a dtype they compute natively."""
         own_kernels = type(self).operator_kernels is CpuPlatform.operator_kernels and not self.unsupported_operators
         native = dtype == torch.float32 or (dtype == torch.bfloat16 and bfloat16_gemm_available())
-        if own_kernels and kernels == "auto" and native and cpu_kernels.load_library():
-            return fuse_decode_layer
-        return None
+        return own_kernels and kernels == "auto" and native and cpu_kernels.load_library()
 
     def kv_cache_budget_bytes(
         self, requested: int | None, memory_utilization: float | None = None, wanted: int | None = None

@@ -56,19 +56,6 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   }
 }
 
-// A projection as the platform's linear op prepared it: [panels] of float32 or bfloat16 (cpu_packed.py), or
-// 4-bit [packed, scale_zero] (cpu_int4.py), each on the kernel its linear op uses for any number of rows, so a
-// decode row here gets the bits it would get in a prompt.
-at::Tensor project(const at::Tensor& x, at::TensorList weight, int64_t N, const std::optional<at::Tensor>& bias) {
-  if (weight.size() == 1 && weight[0].scalar_type() == at::kBFloat16) {
-    return heteroserve::bf16_packed_linear(x, weight[0], N, bias, false);
-  }
-  if (weight.size() == 1) return heteroserve::packed_linear(x, weight[0], N, bias);
-  TORCH_CHECK(weight.size() == 2, "decode_layer: a projection is [panels] or [packed, scale_zero]");
-  const at::Tensor out = heteroserve::int4_panel_linear(x, weight[0], weight[1]);
-  return bias.has_value() ? out.add_(*bias) : out;
-}
-
 // norms: input and post-attention RMSNorm weights, then the per-head q and k norms where the model has them
 // (Qwen3); out_features: N of qkv, o, gate_up and down.
 at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorList qkv_w, at::TensorList o_w,
@@ -91,9 +78,7 @@ at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorLis
   const int64_t q_size = num_heads * D, kv_size = Hkv * D;
   TORCH_CHECK(out_features[0] == q_size + 2 * kv_size, "decode_layer: qkv has ", out_features[0], " outputs");
 
-  auto linear = [&](const at::Tensor& in, at::TensorList w, int64_t N, const std::optional<at::Tensor>& bias) {
-    return project(in, w, N, bias);
-  };
+  const auto linear = heteroserve::project;
   const at::Tensor qkv = linear(heteroserve::rms_norm(x, norms[0], eps), qkv_w, out_features[0], qkv_bias);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, Hkv, D});

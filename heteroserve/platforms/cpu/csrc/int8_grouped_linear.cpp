@@ -9,6 +9,7 @@
 #include "thread_pool.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -308,10 +309,43 @@ void int8_grouped_dequantize(const at::Tensor& q_in, const at::Tensor& scale_in,
 
 }  // namespace
 
+namespace heteroserve {
+
+// y = x W^T for grouped 8-bit weights at any number of rows, on the kernel each row count takes: in place up to
+// kMaxRows rows (decode), the panel GEMM beyond where the build has it and N is a whole number of panels, else
+// slices of kSliceRows output rows dequantised exactly into a buffer that stays in cache and multiplied by torch's
+// mm. Groups must be a multiple of kLanes.
+at::Tensor int8_grouped_product(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                                const std::optional<at::Tensor>& zero) {
+  if (x.size(0) <= kMaxRows) return int8_grouped_linear(x, q, scale, zero);
+#if defined(__AVX512F__)
+  if (q.size(0) % heteroserve::kPanel == 0) return int8_panel_linear(x, q, scale, zero);
+#endif
+  constexpr int64_t kSliceRows = 1024;  // a 2.4 MB buffer at K = 576
+  const int64_t N = q.size(0), K = q.size(1);
+  const at::Tensor x_t = x.t();
+  at::Tensor out_t = at::empty({N, x.size(0)}, x.options());  // slices of output rows are contiguous here
+  at::Tensor buffer = at::empty({std::min(kSliceRows, N), K}, x.options());
+  for (int64_t start = 0; start < N; start += kSliceRows) {
+    const int64_t count = std::min(kSliceRows, N - start);
+    at::Tensor slice = buffer.narrow(0, 0, count);
+    const std::optional<at::Tensor> zero_rows =
+        zero.has_value() ? std::optional<at::Tensor>(zero->narrow(0, start, count)) : std::nullopt;
+    int8_grouped_dequantize(q.narrow(0, start, count), scale.narrow(0, start, count), zero_rows, slice);
+    at::Tensor rows = out_t.narrow(0, start, count);
+    at::mm_out(rows, slice, x_t);
+  }
+  return out_t.t();
+}
+
+}  // namespace heteroserve
+
 TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
   m.def("int8_grouped_linear(Tensor x, Tensor q, Tensor scale, Tensor? zero) -> Tensor");
   m.def("int8_grouped_dequantize(Tensor q, Tensor scale, Tensor? zero, Tensor(a!) out) -> ()");
   m.def("int8_panel_available() -> bool");
+  m.def("int8_grouped_product(Tensor x, Tensor q, Tensor scale, Tensor? zero) -> Tensor");
+  m.impl("int8_grouped_product", c10::DispatchKey::CPU, &heteroserve::int8_grouped_product);
   m.impl("int8_panel_available", &int8_panel_available);
 #if defined(__AVX512F__)
   m.def("int8_panel_linear(Tensor x, Tensor q, Tensor scale, Tensor? zero) -> Tensor");

@@ -13,6 +13,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 at::Tensor bf16_packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                               const std::optional<at::Tensor>& bias, bool float_output);
 at::Tensor int4_panel_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zero);
+at::Tensor int8_grouped_product(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                                const std::optional<at::Tensor>& zero);
+// A projection as the platform's linear op prepared it (projection.cpp): [panels] of float32 or bfloat16, 4-bit
+// [packed, scale_zero], grouped 8-bit [q, scale] or [q, scale, zero]; on the kernel the linear op uses.
+at::Tensor project(const at::Tensor& x, at::TensorList weight, int64_t N, const std::optional<at::Tensor>& bias);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
