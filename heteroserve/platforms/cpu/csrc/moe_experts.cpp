@@ -13,11 +13,16 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <exception>
+#include <mutex>
 #include <vector>
 
 #include "kernels.h"
+#include "thread_pool.h"
 
 namespace {
+
+constexpr int64_t kFewRows = 16;  // rows an expert below which its products run whole on one thread (decode)
 
 // h [T, hidden] float32 (or bfloat16 with bfloat16 experts); ids [T, top_k] int64 global expert ids; weights
 // [T, top_k] float32. gate_up / down: the local experts' projections, `parts` tensors each (projection.cpp's
@@ -56,18 +61,47 @@ at::Tensor moe_experts(const at::Tensor& h, const at::Tensor& ids_in, const at::
     token_weight[next[e]++] = weight[i];
   }
 
-  at::Tensor out = at::zeros({T, hidden}, h.options().dtype(at::kFloat));
+  // Each chosen expert's weighted outputs. With few rows an expert (decode) its products are too short to split
+  // over the pool with profit, so the pool takes whole experts instead (a kernel called inside a chunk runs on
+  // its caller alone); either way each product gives the same bits.
+  std::vector<int64_t> chosen;
+  bool few_rows = true;
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t rows = count[e + 1] - count[e];
-    if (rows == 0) continue;
+    if (rows > 0) chosen.push_back(e);
+    few_rows = few_rows && rows < kFewRows;
+  }
+  std::vector<at::Tensor> weighted(experts);
+  auto run_expert = [&](int64_t e) {
+    const int64_t rows = count[e + 1] - count[e];
     const at::Tensor tokens = at::from_blob(token.data() + count[e], {rows}, at::kLong);
     const at::Tensor row_weights = at::from_blob(token_weight.data() + count[e], {rows, 1}, at::kFloat);
     const at::Tensor x = at::index_select(h, 0, tokens);
     const at::Tensor activated = heteroserve::silu_and_mul(
         heteroserve::project(x, gate_up.slice(e * gate_up_parts, gate_up_parts), gate_up_features, {}));
-    const at::Tensor y =
-        heteroserve::project(activated, down.slice(e * down_parts, down_parts), hidden, {});
-    out.index_add_(0, tokens, at::mul(y.to(at::kFloat), row_weights));
+    const at::Tensor y = heteroserve::project(activated, down.slice(e * down_parts, down_parts), hidden, {});
+    weighted[e] = at::mul(y.to(at::kFloat), row_weights);
+  };
+  if (few_rows && chosen.size() > 1) {
+    std::mutex failure_lock;
+    std::exception_ptr failure;
+    heteroserve::parallel_for(0, static_cast<int64_t>(chosen.size()), 1, [&](int64_t begin, int64_t end) {
+      try {
+        for (int64_t i = begin; i < end; ++i) run_expert(chosen[i]);
+      } catch (...) {  // raised on the caller, not in a pool thread
+        const std::lock_guard<std::mutex> lock(failure_lock);
+        if (!failure) failure = std::current_exception();
+      }
+    });
+    if (failure) std::rethrow_exception(failure);
+  } else {
+    for (const int64_t e : chosen) run_expert(e);
+  }
+  // Each token's experts added in ascending expert order, whatever the batch.
+  at::Tensor out = at::zeros({T, hidden}, h.options().dtype(at::kFloat));
+  for (const int64_t e : chosen) {
+    const at::Tensor tokens = at::from_blob(token.data() + count[e], {count[e + 1] - count[e]}, at::kLong);
+    out.index_add_(0, tokens, weighted[e]);
   }
   return out;
 }
