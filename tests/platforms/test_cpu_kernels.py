@@ -361,7 +361,12 @@ def test_a_failed_build_warns_once_and_keeps_the_reference(monkeypatch, tmp_path
             CpuPlatform().operator_table(torch.float32)
         described = table.describe()
         formats = {name: described.pop(name) for name in list(described) if name.startswith("linear ")}
-        assert set(described.values()) == {"onednn-packed", "torch reference", "operator by operator"}
+        assert set(described.values()) == {
+            "onednn-packed",
+            "torch reference",
+            "operator by operator",
+            "expert by expert",
+        }
         assert formats["linear int4"] == f"{REFERENCE_LINEAR}: the C++ kernels are not loaded"
         messages = [r.getMessage() for r in caplog.records]
         assert len(messages) == 1 and messages[0].startswith(
