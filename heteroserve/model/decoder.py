@@ -185,6 +185,7 @@ class DecoderLayer(nn.Module):
         """Binds the platform's fused decode layer to this layer's prepared weights, where it has one that
         implements all of this layer's traits (the fuser answers None otherwise)."""
         attn = self.self_attn
+        moe = self.moe if self.moe is not None and not self.moe.experts_on_host else None
         self.fused_decode = self.ops.fuse_decode_layer(
             DecodeLayerWeights(
                 input_norm=self.input_layernorm.weight.data if self.input_layernorm is not None else None,
@@ -203,6 +204,10 @@ class DecoderLayer(nn.Module):
                 traits=self.spec.traits(),
                 multimodal_rope=isinstance(rotary, MRotaryEmbedding),
                 tensor_parallel_size=tp_size,
+                experts=None if moe is None else moe.fused_experts,
+                shared_gate_up=None if moe is None else moe.shared_gate_up,
+                shared_down=None if moe is None else moe.shared_down,
+                shared_gated=moe is not None and moe.shared_gate is not None,
             )
         )
 

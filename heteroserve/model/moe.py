@@ -123,6 +123,8 @@ class MoEBlock(nn.Module):
                 self.first_expert,
                 self.router.data,
                 self.router_bias,
+                self.spec,
+                None if self.correction_bias is None else self.correction_bias.data,
             )
 
     @property
@@ -144,11 +146,12 @@ class MoEBlock(nn.Module):
 
     def _routed(self, h: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for each row of `h`, in float32 on h's device."""
-        if self.fused_experts is not None:
-            logits = self.fused_experts.router_logits(h)
+        fused = self.fused_experts
+        if fused is not None and fused.routes:
+            weights, ids = fused.route(h)
         else:
-            logits = F.linear(h.float(), self.router, self.router_bias)
-        weights, ids = route(logits, self.spec, self.correction_bias)
+            logits = F.linear(h.float(), self.router, self.router_bias) if fused is None else fused.router_logits(h)
+            weights, ids = route(logits, self.spec, self.correction_bias)
         return self._experts(h, ids, weights)
 
     def _experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

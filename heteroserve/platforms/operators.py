@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from heteroserve.model.arch import MoESpec
 from heteroserve.platforms import reference_ops
 from heteroserve.platforms.attention import ScoreModifiers
 from heteroserve.quantization.act_order import PermutedInput
@@ -137,7 +138,7 @@ class DecodeLayerWeights:
     qkv_bias: torch.Tensor | None
     o_proj: object
     post_norm: torch.Tensor | None
-    gate_up: object
+    gate_up: object  # None where the MLP is a mixture of experts
     down: object
     eps: float
     num_heads: int
@@ -148,6 +149,12 @@ class DecodeLayerWeights:
     # How the model runs, beyond the layer's blocks: a fuser may not implement these either.
     multimodal_rope: bool = False  # M-RoPE (Qwen2-VL): each rotary column reads one of several position axes
     tensor_parallel_size: int = 1  # >1: the projections are a rank's slices and their outputs are all-reduced
+    # A mixture-of-experts MLP: its routed experts as the platform's experts fuser bound them (None: a dense MLP,
+    # or experts the fuser did not take), and its shared experts' projections (None: none), sigmoid-gated or not.
+    experts: FusedExperts | None = None
+    shared_gate_up: object = None
+    shared_down: object = None
+    shared_gated: bool = False
 
 
 # (x, positions, k_cache, v_cache, paged_attention.AttentionMetadata of a decode-only step) -> the layer's output.
@@ -157,19 +164,27 @@ DecodeLayerFuser = Callable[[DecodeLayerWeights], FusedDecodeLayer | None]
 
 
 class FusedExperts(Protocol):
-    """A platform's one-call kernel for a MoE layer's routed experts (and its router's product)."""
+    """A platform's one-call kernel for a MoE layer's routed experts (and its router's product, and the routing
+    where `routes`)."""
+
+    routes: bool  # whether route() implements the layer's routing (model.moe.route otherwise)
 
     def router_logits(self, h: torch.Tensor) -> torch.Tensor:
         """The router's float32 logits [T, num_experts], each row's bits the same at every row count."""
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, top_k] float32, expert ids [T, top_k]) of each row, as model.moe.route chooses them."""
 
     def __call__(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The weighted sum [T, hidden] in float32 of each row's experts (`ids`, `weights`: [T, top_k])."""
 
 
 # Given a MoE layer's routed experts (gate_up and down projections as the linear op prepared them, the activation's
-# operator name, the id of the first of them) and its router (float32 weight, bias or None), the platform's
-# one-call kernel for them, or None where it has none.
-ExpertsFuser = Callable[[list, list, str, int, torch.Tensor, torch.Tensor | None], FusedExperts | None]
+# operator name, the id of the first of them), its router (float32 weight, bias or None), its routing (the spec,
+# the correction bias or None), the platform's one-call kernel for them, or None where it has none.
+ExpertsFuser = Callable[
+    [list, list, str, int, torch.Tensor, torch.Tensor | None, MoESpec, torch.Tensor | None], FusedExperts | None
+]
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,9 @@ def _logprob_rows(output) -> torch.Tensor:
 # int4: 4-bit projections (our C++ kernel, at every row count).
 # qwen3: per-head q/k norms, head_dim 32 != hidden / heads. float16 / bfloat16: a 16-bit KV cache the fused layer
 # writes and reads as the operators do. dtype bfloat16: bfloat16 activations and panels (AVX512-BF16 builds).
+# Mixtures of experts (the routing and experts in the same call): qwen3_moe (a dense first layer, top-2
+# renormalised; 4-bit experts), mixtral (every layer), ernie4_5_moe (a correction bias on the choice, an ungated
+# shared expert).
 CASES = [
     ("qwen2", None, "auto", "float32"),
     ("mistral", None, "auto", "float32"),
@@ -43,6 +46,11 @@ CASES = [
     ("qwen2", None, "auto", "bfloat16"),
     ("qwen3", None, "auto", "bfloat16"),
     ("mistral", None, "auto", "bfloat16"),
+    ("qwen3_moe", None, "auto", "float32"),
+    ("mixtral", None, "auto", "float32"),
+    ("qwen3_moe", "int4", "auto", "float32"),
+    ("ernie4_5_moe", None, "auto", "float32"),
+    ("qwen3_moe", None, "auto", "bfloat16"),
 ]
 
 
@@ -62,7 +70,7 @@ def test_fused_layer_matches_operator_by_operator(name, quantization, kv_cache_d
     cache_dtype = getattr(torch, dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
     assert llm.engine.executor.worker.runner.kv_cache.dtype == cache_dtype
     layers = _model(llm).layers
-    if quantization == "int4" and not isinstance(layers[0].gate_up_proj, CpuInt4Weight):
+    if quantization == "int4" and not isinstance(layers[0].self_attn.qkv_proj, CpuInt4Weight):
         pytest.skip("the C++ kernels cannot be built here")
     fused = [layer.fused_decode for layer in layers]
     assert all(f is not None for f in fused), "every layer takes the fused decode path"

@@ -1,5 +1,7 @@
 """A decoder layer of a decode-only step in one C++ call (csrc/decode_layer.cpp): float32 activations with packed
-float32 or 4-bit projections, or bfloat16 activations with packed bfloat16 projections.
+float32 or 4-bit projections, or bfloat16 activations with packed bfloat16 projections; the MLP dense, or a
+mixture of experts whose routed experts the CPU's experts fuser bound (moe_experts.py) and whose routing it
+computes, with ungated shared experts or none.
 
 The kernels are the ones the model otherwise calls one at a time; what goes is the Python between them: at one
 token a step the ~20 operator calls a layer makes from Python are a share of the step worth removing, most of all
@@ -14,6 +16,7 @@ import torch
 
 from heteroserve.model.arch import ImplementedTraits, unimplemented_traits
 from heteroserve.platforms.cpu.int4 import CpuInt4Weight
+from heteroserve.platforms.cpu.moe_experts import CpuFusedExperts
 from heteroserve.platforms.cpu.packed import CpuPackedWeight
 from heteroserve.platforms.operators import DecodeLayerWeights
 
@@ -32,6 +35,7 @@ IMPLEMENTED_TRAITS: ImplementedTraits = {
     "qk_norm": frozenset({"head"}),
     "sliding_window": None,
     "rotary": None,
+    "moe": None,  # what fuse_decode_layer takes of a mixture of experts is checked there
 }
 
 
@@ -47,15 +51,20 @@ class CpuFusedDecodeLayer:
     kernel_name = "cpp fused decode layer"
 
     def __init__(self, w: DecodeLayerWeights) -> None:
-        projections = (w.qkv, w.o_proj, w.gate_up, w.down)
+        mlp = () if w.experts is not None else (w.gate_up, w.down)
+        projections = (w.qkv, w.o_proj, *mlp)
         self.norms = [w.input_norm, w.post_norm, *(w.qk_norms or ())]
         self.projections = [FUSED_FORMATS[type(p)](p) for p in projections]
         self.out_features = [p.shape[0] for p in projections]
         self.qkv_bias, self.eps, self.num_heads, self.scale = w.qkv_bias, w.eps, w.num_heads, w.scale
         self.cos, self.sin = w.cos, w.sin
+        self.experts = w.experts
+        shared = [p for p in (w.shared_gate_up, w.shared_down) if p is not None]
+        self.shared = [FUSED_FORMATS[type(p)](p) for p in shared] or [[], []]
+        self.shared_features = shared[0].shape[0] if shared else 0
 
     def __call__(self, x, positions, k_cache, v_cache, meta) -> torch.Tensor:
-        return torch.ops.heteroserve.decode_layer(
+        layer = (
             x,
             self.norms,
             *self.projections,
@@ -73,12 +82,22 @@ class CpuFusedDecodeLayer:
             self.num_heads,
             self.scale,
         )
+        if self.experts is None:
+            return torch.ops.heteroserve.decode_layer(*layer)
+        return torch.ops.heteroserve.decode_moe_layer(
+            *layer,
+            *self.experts.router_arguments(),
+            *self.experts.expert_arguments(),
+            *self.shared,
+            self.shared_features,
+        )
 
 
 def fuse_decode_layer(w: DecodeLayerWeights) -> CpuFusedDecodeLayer | None:
     """Layers in float32 or bfloat16 (the norms' dtype) whose projections are all `_fusable`; others (8-bit
-    weights, act-order permutations, a float32 projection among bfloat16 ones), and layers with a trait outside
-    IMPLEMENTED_TRAITS, M-RoPE or tensor parallelism, stay operator by operator."""
+    weights, act-order permutations, a float32 projection among bfloat16 ones), layers with a trait outside
+    IMPLEMENTED_TRAITS, M-RoPE or tensor parallelism, and mixtures of experts whose experts run expert by expert,
+    are chosen within groups or have a gated shared expert, stay operator by operator."""
     if unimplemented_traits(w.traits, IMPLEMENTED_TRAITS) or w.multimodal_rope or w.tensor_parallel_size != 1:
         return None
     dtype = w.input_norm.dtype
@@ -86,7 +105,13 @@ def fuse_decode_layer(w: DecodeLayerWeights) -> CpuFusedDecodeLayer | None:
         return None
     if any(t.dtype != dtype for t in (w.post_norm, *(w.qk_norms or ()))):
         return None
-    if not all(_fusable(p, dtype) for p in (w.qkv, w.o_proj, w.gate_up, w.down)):
+    if "moe" in w.traits:
+        if not isinstance(w.experts, CpuFusedExperts) or not w.experts.routes or w.shared_gated:
+            return None
+        mlp = [p for p in (w.shared_gate_up, w.shared_down) if p is not None]
+    else:
+        mlp = [w.gate_up, w.down]
+    if not all(_fusable(p, dtype) for p in (w.qkv, w.o_proj, *mlp)):
         return None
     return CpuFusedDecodeLayer(w)
 

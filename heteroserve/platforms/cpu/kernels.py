@@ -18,8 +18,9 @@
   `pack_bf16_linear_weight` / `bf16_packed_linear` (csrc/bf16_packed_linear.cpp): its bfloat16 twin, on
   AVX512-BF16's dot-product instruction where the compiler targets it, elsewhere with the pairs widened in
   registers (the same layout and sums on every level).
-- `torch.ops.heteroserve.decode_layer` (csrc/decode_layer.cpp): the kernels above chained for one decoder layer
-  of a decode-only step (decode_layer.py), so that no Python runs between them.
+- `torch.ops.heteroserve.decode_layer` / `decode_moe_layer` (csrc/decode_layer.cpp): the kernels above chained
+  for one decoder layer of a decode-only step (decode_layer.py), so that no Python runs between them;
+  `moe_route` / `moe_experts` (csrc/moe_experts.cpp): a mixture of experts' routing and chosen experts.
 - `torch.ops.heteroserve.int8_grouped_linear` (csrc/int8_grouped_linear.cpp): grouped 8-bit weights read in
   place for decode batches, called by int8.CpuGroupedInt8Weight rather than through the operator table;
   `int8_grouped_dequantize` expands the slices larger batches multiply in cache.

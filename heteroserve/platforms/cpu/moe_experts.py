@@ -1,5 +1,7 @@
 """A mixture-of-experts layer's routed experts for a step in one C++ call (csrc/moe_experts.cpp), and its router's
-product on the float32 GEMM, whose rows get the same bits at every row count.
+product on the float32 GEMM, whose rows get the same bits at every row count; routing without expert groups (a
+softmax or sigmoid's top-k, a correction bias, renormalisation, a routed scale) is computed there too, so the
+fused decode layer (csrc/decode_layer.cpp) and the model's Python path choose a token's experts alike.
 
 model/moe.py runs each chosen expert as three operator calls from Python (gate/up product, activation, down
 product) and groups and scatters the step's rows with torch operators around them; at one token a step that
@@ -14,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from heteroserve.model.arch import MoESpec
 from heteroserve.platforms.cpu.int4 import CpuInt4Weight
 from heteroserve.platforms.cpu.int8 import CpuGroupedInt8Weight
 from heteroserve.platforms.cpu.packed import CpuPackedWeight
@@ -31,7 +34,14 @@ class CpuFusedExperts:
     kernel_name = "cpp fused experts"
 
     def __init__(
-        self, gate_up: list, down: list, first_expert: int, router: torch.Tensor, router_bias: torch.Tensor | None
+        self,
+        gate_up: list,
+        down: list,
+        first_expert: int,
+        router: torch.Tensor,
+        router_bias: torch.Tensor | None,
+        spec: MoESpec,
+        correction_bias: torch.Tensor | None,
     ) -> None:
         """gate_up, down: the local experts' projections as the linear op prepared them, in the forms _form takes;
         router: its float32 weight, packed here for the float32 GEMM (torch's product gives a row different bits
@@ -39,6 +49,14 @@ class CpuFusedExperts:
         self.router = torch.ops.heteroserve.pack_linear_weight(router.float())
         self.num_experts = router.shape[0]
         self.router_bias = None if router_bias is None else router_bias.float()
+        self.routes = spec.num_groups == 1
+        self.routing = (
+            spec.top_k,
+            spec.scoring == "sigmoid",
+            None if correction_bias is None else correction_bias.float().contiguous(),
+            spec.renormalize,
+            spec.routed_scale,
+        )
         self.gate_up = [t for p in gate_up for t in EXPERT_FORMATS[type(p)](p)]
         self.down = [t for p in down for t in EXPERT_FORMATS[type(p)](p)]
         self.gate_up_parts = len(self.gate_up) // len(gate_up)
@@ -49,18 +67,21 @@ class CpuFusedExperts:
     def router_logits(self, h: torch.Tensor) -> torch.Tensor:
         return torch.ops.heteroserve.packed_linear(h.float(), self.router, self.num_experts, self.router_bias)
 
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.routes:
+            raise NotImplementedError("the fused experts' routing does not choose within expert groups")
+        return torch.ops.heteroserve.moe_route(h, *self.router_arguments())
+
+    def router_arguments(self) -> tuple:
+        """moe_route's arguments after the hidden states (decode_moe_layer takes them in the same order)."""
+        return (self.router, self.num_experts, self.router_bias, *self.routing)
+
+    def expert_arguments(self) -> tuple:
+        """moe_experts' arguments after the routing (decode_moe_layer takes them in the same order)."""
+        return (self.gate_up, self.down, self.gate_up_parts, self.down_parts, self.gate_up_features, self.first_expert)
+
     def __call__(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return torch.ops.heteroserve.moe_experts(
-            h,
-            ids,
-            weights,
-            self.gate_up,
-            self.down,
-            self.gate_up_parts,
-            self.down_parts,
-            self.gate_up_features,
-            self.first_expert,
-        )
+        return torch.ops.heteroserve.moe_experts(h, ids, weights, *self.expert_arguments())
 
 
 def _form(projection: object, dtype: torch.dtype) -> tuple | None:
@@ -85,6 +106,8 @@ def fuse_experts(
     first_expert: int,
     router: torch.Tensor,
     router_bias: torch.Tensor | None,
+    spec: MoESpec,
+    correction_bias: torch.Tensor | None,
     *,
     dtype: torch.dtype,
 ) -> CpuFusedExperts | None:
@@ -98,7 +121,7 @@ def fuse_experts(
         forms = {_form(p, dtype) for p in projections}
         if len(forms) != 1 or None in forms:
             return None
-    return CpuFusedExperts(gate_up, down, first_expert, router, router_bias)
+    return CpuFusedExperts(gate_up, down, first_expert, router, router_bias, spec, correction_bias)
 
 
 def experts_fuser(dtype: torch.dtype) -> ExpertsFuser:

@@ -22,6 +22,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& cos, const at::Tensor& sin);
+// A MoE layer's routing (weights, ids [T, top_k]) from its float32 router panels, and its chosen experts'
+// weighted sum [T, hidden] in float32 (moe_experts.cpp).
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tensor& router, int64_t num_experts,
+                                             const std::optional<at::Tensor>& router_bias, int64_t top_k,
+                                             bool sigmoid, const std::optional<at::Tensor>& correction_bias,
+                                             bool renormalize, double routed_scale);
+at::Tensor moe_experts(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& weights, at::TensorList gate_up,
+                       at::TensorList down, int64_t gate_up_parts, int64_t down_parts, int64_t gate_up_features,
+                       int64_t first_expert);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& mask, double scale);
 
