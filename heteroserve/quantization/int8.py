@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from heteroserve.quantization.int4 import Int4Weight
 from heteroserve.quantization.weight import move_tensors
 
 
@@ -77,6 +78,20 @@ class Int8Weight:
     def permute_rows(self, order: torch.Tensor) -> Int8Weight:
         zero = None if self.zero is None else self.zero[order]
         return Int8Weight(self.q[order], self.scale[order], self.group_size, zero)
+
+    @classmethod
+    def from_int4(cls, weight: Int4Weight) -> Int8Weight:
+        """4-bit weights held at 8 bits, the same values: q - 8 with the same scales and zeros."""
+        q = (weight.values().to(torch.int16) - 8).to(torch.int8)
+        return cls(q, weight.scale.clone(), weight.group_size, weight.zero.clone())
+
+    def regroup(self, group_size: int) -> Int8Weight:
+        """The same values in groups of `group_size` (a divisor of this one's): each scale and zero repeated."""
+        if self.group_size % group_size:
+            raise ValueError(f"groups of {self.group_size} cannot be split into groups of {group_size}")
+        repeat = self.group_size // group_size
+        zero = None if self.zero is None else self.zero.repeat_interleave(repeat, dim=1)
+        return Int8Weight(self.q, self.scale.repeat_interleave(repeat, dim=1), group_size, zero)
 
     @staticmethod
     def cat(parts: list[Int8Weight]) -> Int8Weight:

@@ -29,7 +29,7 @@ def _logprob_rows(output) -> torch.Tensor:
 
 
 # qwen2: q/k/v biases; mistral: a sliding window shorter than the prompts; llama3: scaled rotary tables;
-# int4: 4-bit projections (our C++ kernel, at every row count).
+# int4: 4-bit projections (our C++ kernel, at every row count); int8: 8-bit ones (one group a row).
 # qwen3: per-head q/k norms, head_dim 32 != hidden / heads. float16 / bfloat16: a 16-bit KV cache the fused layer
 # writes and reads as the operators do. dtype bfloat16: bfloat16 activations and panels (AVX512-BF16 builds).
 # Mixtures of experts (the routing and experts in the same call): qwen3_moe (a dense first layer, top-2
@@ -41,6 +41,7 @@ CASES = [
     ("llama3", None, "auto", "float32"),
     ("qwen3", None, "auto", "float32"),
     ("qwen2", "int4", "auto", "float32"),
+    ("llama3", "int8", "auto", "float32"),
     ("llama3", None, "float16", "float32"),
     ("qwen3", None, "bfloat16", "float32"),
     ("qwen2", None, "auto", "bfloat16"),
@@ -117,9 +118,10 @@ def test_4bit_decode_rows_are_alike_alone_and_in_a_batch(tmp_path):
 
 
 def test_not_fused_where_the_kernel_lacks_the_weight_format(tmp_path):
-    """8-bit projections are not in the fused kernel: such layers stay operator by operator."""
+    """4-bit projections with bfloat16 activations are not in the fused kernel: such layers stay operator by
+    operator."""
     tiny = save_tiny("llama_tied", tmp_path)
-    llm = tiny.llm(quantization="int8")
+    llm = tiny.llm(quantization="int4", dtype="bfloat16")
     assert all(layer.fused_decode is None for layer in _model(llm).layers)
 
 
@@ -147,3 +149,28 @@ def test_a_slot_outside_the_cache_is_an_error(tmp_path):
     with pytest.raises(RuntimeError, match="slot 32 outside the cache"):
         layer.fused_decode(torch.randn(1, hidden), torch.tensor([0]), k_cache, v_cache, meta)
     assert not k_cache.any() and not v_cache.any()
+
+
+def test_8bit_layers_are_fused_with_the_operator_by_operator_tokens(tmp_path):
+    """A Q8_0 GGUF mixture of experts (ERNIE 4.5: grouped 8-bit attention, experts and ungated shared expert, a
+    correction bias) runs every layer fused, with the tokens and logprobs of the same layers operator by operator."""
+    from heteroserve.platforms.cpu.int8 import CpuGroupedInt8Weight
+    from tests.model.test_gguf_moe import ARCHITECTURES, _build, _llm, write_moe_gguf
+
+    model, qtype = _build("ernie4_5_moe", quantized=True)
+    path = write_moe_gguf(model, ARCHITECTURES["ernie4_5_moe"], tmp_path / "ernie.gguf", qtype)
+    llm = _llm(path, compressed=True)
+    layers = _model(llm).layers
+    assert all(isinstance(layer.self_attn.qkv_proj, CpuGroupedInt8Weight) for layer in layers)
+    fused = [layer.fused_decode for layer in layers]
+    assert all(f is not None for f in fused), "every layer takes the fused decode path"
+    vocab = model.config.vocab_size
+    batch = prompts(9, [5, 13, 8], vocab)
+    params = greedy_params(vocab, prompt_logprobs=False)
+    with_fused = run(llm, batch, params)
+    for layer in layers:
+        layer.fused_decode = None
+    without = run(llm, batch, params)
+    for a, b in zip(with_fused, without, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        torch.testing.assert_close(_logprob_rows(a), _logprob_rows(b), atol=1e-5, rtol=0)

@@ -112,6 +112,17 @@ def test_fusing_mixed_parts_dequantises_in_the_engine_dtype():
     assert isinstance(same_kind, Int8Weight) and same_kind.shape == (48, 64)
 
 
+def test_4bit_beside_8bit_parts_fuse_at_8_bits_with_the_same_values():
+    """A Q4_K_M's Q4_K q/k (groups of 32) beside its Q6_K v (groups of 16): one 8-bit weight in groups of 16."""
+    int4 = quantize_int4(torch.randn(64, 64), 32)
+    int8 = Int8Weight(torch.randint(-32, 32, (32, 64), dtype=torch.int8), torch.rand(32, 4), 16, torch.randn(32, 4))
+    plain = quantize_int8(torch.randn(32, 64))  # one group a row, no zeros
+    fused = _cat([int4, int8, plain], torch.float32)
+    assert isinstance(fused, Int8Weight) and fused.group_size == 16 and fused.shape == (128, 64)
+    expected = torch.cat([int4.dequantize(), int8.dequantize(), plain.dequantize()])
+    torch.testing.assert_close(fused.dequantize(), expected, atol=1e-6, rtol=1e-6)
+
+
 def test_cpu_int4_weight_dequantises_from_its_own_layout():
     weight = quantize_int4(torch.randn(128, 256), group_size=32)
     packed = CpuInt4Weight.pack(weight.regroup(32))

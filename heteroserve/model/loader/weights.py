@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 
 import torch
@@ -52,11 +53,16 @@ def quantize_projections(
 
 
 def _cat(parts: list[Weight], dtype: torch.dtype) -> Weight:
-    """Fuses projections that read one input. Compressed parts of one kind stay compressed; mixed kinds
-    (e.g. a GGUF Q4_K_M's Q4_K q/k beside its Q6_K v, or differing act-orders) are dequantised to `dtype`."""
+    """Fuses projections that read one input. Compressed parts of one kind stay compressed; 4-bit beside 8-bit
+    parts (a GGUF Q4_K_M's Q4_K q/k beside its Q6_K v) are held at 8 bits, the same values in groups that divide
+    both; other mixtures (float beside compressed, differing act-orders) are dequantised to `dtype`."""
     kinds = {type(p) for p in parts}
     if kinds == {torch.Tensor}:
         return torch.cat(parts)
+    if kinds == {Int4Weight, Int8Weight}:
+        held = [Int8Weight.from_int4(p) if isinstance(p, Int4Weight) else p for p in parts]
+        group = math.gcd(*(p.group_size for p in held))
+        return Int8Weight.cat([p.regroup(group) for p in held])
     if len(kinds) == 1:
         try:
             fused = next(iter(kinds)).cat(parts)

@@ -1,5 +1,6 @@
 """A decoder layer of a decode-only step in one C++ call (csrc/decode_layer.cpp): float32 activations with packed
-float32 or 4-bit projections, or bfloat16 activations with packed bfloat16 projections; the MLP dense, or a
+float32, 4-bit or grouped 8-bit projections, or bfloat16 activations with packed bfloat16 projections; the MLP
+dense, or a
 mixture of experts whose routed experts the CPU's experts fuser bound (moe_experts.py) and whose routing it
 computes, with ungated shared experts or none.
 
@@ -10,22 +11,17 @@ with 4-bit weights, whose products are shortest (docs/PLATFORMS.md has the figur
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from heteroserve.model.arch import ImplementedTraits, unimplemented_traits
 from heteroserve.platforms.cpu.int4 import CpuInt4Weight
-from heteroserve.platforms.cpu.moe_experts import CpuFusedExperts
+from heteroserve.platforms.cpu.int8 import CpuGroupedInt8Weight
+from heteroserve.platforms.cpu.moe_experts import PROJECTION_FORMS, CpuFusedExperts
 from heteroserve.platforms.cpu.packed import CpuPackedWeight
 from heteroserve.platforms.operators import DecodeLayerWeights
 
-# The projection formats decode_layer.cpp reads, each as the tensors it takes: [panels] for packed float32 or
-# bfloat16, [packed, scale_zero] for torch-layout 4-bit.
-FUSED_FORMATS: dict[type, Callable[..., list[torch.Tensor]]] = {
-    CpuPackedWeight: lambda p: [p.packed],
-    CpuInt4Weight: lambda p: [p.packed, p.scale_zero],
-}
+# The projection formats decode_layer.cpp reads: those of the fused experts (csrc/projection.cpp).
+FUSED_FORMATS = PROJECTION_FORMS
 
 
 # The layer traits decode_layer.cpp implements: q/k/v biases, per-head q/k norms, sliding windows (through the
@@ -41,10 +37,14 @@ IMPLEMENTED_TRAITS: ImplementedTraits = {
 
 def _fusable(projection: object, dtype: torch.dtype) -> bool:
     """Whether decode_layer.cpp multiplies `dtype` activations by this projection with the kernel the linear op
-    uses: float32 by float32 panels or 4-bit, bfloat16 by bfloat16 panels giving bfloat16."""
+    uses: float32 by float32 panels, 4-bit or grouped 8-bit, bfloat16 by bfloat16 panels giving bfloat16."""
     if isinstance(projection, CpuPackedWeight):
         return projection.packed.dtype == dtype and not projection.float_output
-    return isinstance(projection, CpuInt4Weight) and dtype == torch.float32
+    if dtype != torch.float32:
+        return False
+    if isinstance(projection, CpuGroupedInt8Weight):  # the groups int8_grouped_product reads (as the linear op)
+        return projection.weight.group_size % 16 == 0
+    return isinstance(projection, CpuInt4Weight)
 
 
 class CpuFusedDecodeLayer:
@@ -94,10 +94,10 @@ class CpuFusedDecodeLayer:
 
 
 def fuse_decode_layer(w: DecodeLayerWeights) -> CpuFusedDecodeLayer | None:
-    """Layers in float32 or bfloat16 (the norms' dtype) whose projections are all `_fusable`; others (8-bit
-    weights, act-order permutations, a float32 projection among bfloat16 ones), layers with a trait outside
-    IMPLEMENTED_TRAITS, M-RoPE or tensor parallelism, and mixtures of experts whose experts run expert by expert,
-    are chosen within groups or have a gated shared expert, stay operator by operator."""
+    """Layers in float32 or bfloat16 (the norms' dtype) whose projections are all `_fusable`; others (per-channel
+    8-bit weights on torch's kernel, act-order permutations, a float32 projection among bfloat16 ones), layers
+    with a trait outside IMPLEMENTED_TRAITS, M-RoPE or tensor parallelism, and mixtures of experts whose experts
+    run expert by expert, are chosen within groups or have a gated shared expert, stay operator by operator."""
     if unimplemented_traits(w.traits, IMPLEMENTED_TRAITS) or w.multimodal_rope or w.tensor_parallel_size != 1:
         return None
     dtype = w.input_norm.dtype

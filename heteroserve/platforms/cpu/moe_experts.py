@@ -22,8 +22,9 @@ from heteroserve.platforms.cpu.int8 import CpuGroupedInt8Weight
 from heteroserve.platforms.cpu.packed import CpuPackedWeight
 from heteroserve.platforms.operators import ExpertsFuser
 
-# The expert weight formats the kernel reads (csrc/projection.cpp), each as the tensors it takes.
-EXPERT_FORMATS: dict[type, Callable[..., list[torch.Tensor]]] = {
+# The projection formats the C++ kernels chain (csrc/projection.cpp), each as the tensors it takes: [panels] for
+# packed float32 or bfloat16, [packed, scale_zero] for 4-bit, [q, scale(, zero)] for grouped 8-bit.
+PROJECTION_FORMS: dict[type, Callable[..., list[torch.Tensor]]] = {
     CpuPackedWeight: lambda p: [p.packed],
     CpuInt4Weight: lambda p: [p.packed, p.scale_zero],
     CpuGroupedInt8Weight: lambda p: [p.weight.q, p.weight.scale, *([] if p.weight.zero is None else [p.weight.zero])],
@@ -57,8 +58,8 @@ class CpuFusedExperts:
             spec.renormalize,
             spec.routed_scale,
         )
-        self.gate_up = [t for p in gate_up for t in EXPERT_FORMATS[type(p)](p)]
-        self.down = [t for p in down for t in EXPERT_FORMATS[type(p)](p)]
+        self.gate_up = [t for p in gate_up for t in PROJECTION_FORMS[type(p)](p)]
+        self.down = [t for p in down for t in PROJECTION_FORMS[type(p)](p)]
         self.gate_up_parts = len(self.gate_up) // len(gate_up)
         self.down_parts = len(self.down) // len(down)
         self.gate_up_features = gate_up[0].shape[0]
