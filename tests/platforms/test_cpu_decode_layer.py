@@ -154,12 +154,14 @@ def test_a_slot_outside_the_cache_is_an_error(tmp_path):
 def test_8bit_layers_are_fused_with_the_operator_by_operator_tokens(tmp_path):
     """A Q8_0 GGUF mixture of experts (ERNIE 4.5: grouped 8-bit attention, experts and ungated shared expert, a
     correction bias) runs every layer fused, with the tokens and logprobs of the same layers operator by operator."""
+    from heteroserve.entrypoints.llm import LLM
     from heteroserve.platforms.cpu.int8 import CpuGroupedInt8Weight
-    from tests.model.test_gguf_moe import ARCHITECTURES, _build, _llm, write_moe_gguf
+    from tests.model.test_gguf_moe import ARCHITECTURES, _build, write_moe_gguf
 
     model, qtype = _build("ernie4_5_moe", quantized=True)
     path = write_moe_gguf(model, ARCHITECTURES["ernie4_5_moe"], tmp_path / "ernie.gguf", qtype)
-    llm = _llm(path, compressed=True)
+    # Without prefix caching the second run's prefills are computed as the first run's were, not from cached blocks.
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=8, enable_prefix_caching=False)
     layers = _model(llm).layers
     assert all(isinstance(layer.self_attn.qkv_proj, CpuGroupedInt8Weight) for layer in layers)
     fused = [layer.fused_decode for layer in layers]
