@@ -87,7 +87,7 @@ class CpuFusedDecodeLayer:
         return torch.ops.heteroserve.decode_moe_layer(
             *layer,
             *self.experts.router_arguments(),
-            *self.experts.expert_arguments(),
+            self.experts.weights,
             *self.shared,
             self.shared_features,
         )

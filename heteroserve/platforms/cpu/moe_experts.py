@@ -58,12 +58,17 @@ class CpuFusedExperts:
             spec.renormalize,
             spec.routed_scale,
         )
-        self.gate_up = [t for p in gate_up for t in PROJECTION_FORMS[type(p)](p)]
-        self.down = [t for p in down for t in PROJECTION_FORMS[type(p)](p)]
-        self.gate_up_parts = len(self.gate_up) // len(gate_up)
-        self.down_parts = len(self.down) // len(down)
-        self.gate_up_features = gate_up[0].shape[0]
-        self.first_expert = first_expert
+        gate_up_tensors = [t for p in gate_up for t in PROJECTION_FORMS[type(p)](p)]
+        down_tensors = [t for p in down for t in PROJECTION_FORMS[type(p)](p)]
+        # Held once by the library: a call passes this object, not every expert's tensors.
+        self.weights = torch.classes.heteroserve.ExpertWeights(
+            gate_up_tensors,
+            down_tensors,
+            len(gate_up_tensors) // len(gate_up),
+            len(down_tensors) // len(down),
+            gate_up[0].shape[0],
+            first_expert,
+        )
 
     def router_logits(self, h: torch.Tensor) -> torch.Tensor:
         return torch.ops.heteroserve.packed_linear(h.float(), self.router, self.num_experts, self.router_bias)
@@ -77,12 +82,8 @@ class CpuFusedExperts:
         """moe_route's arguments after the hidden states (decode_moe_layer takes them in the same order)."""
         return (self.router, self.num_experts, self.router_bias, *self.routing)
 
-    def expert_arguments(self) -> tuple:
-        """moe_experts' arguments after the routing (decode_moe_layer takes them in the same order)."""
-        return (self.gate_up, self.down, self.gate_up_parts, self.down_parts, self.gate_up_features, self.first_expert)
-
     def __call__(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return torch.ops.heteroserve.moe_experts(h, ids, weights, *self.expert_arguments())
+        return torch.ops.heteroserve.moe_experts(h, ids, weights, self.weights)
 
 
 def _form(projection: object, dtype: torch.dtype) -> tuple | None:

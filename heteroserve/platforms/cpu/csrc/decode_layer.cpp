@@ -56,9 +56,27 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   }
 }
 
-// The attention half of a layer for decode tokens: x + o(attention(rms_norm(x))), the input of its MLP half.
-// norms: input and post-attention RMSNorm weights, then the per-head q and k norms where the model has them
-// (Qwen3); out_features: N of qkv and o (then the MLP's).
+// A layer with a dense SwiGLU MLP; out_features: N of qkv, o, gate_up and down.
+at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorList qkv_w, at::TensorList o_w,
+                        at::TensorList gate_up_w, at::TensorList down_w, at::IntArrayRef out_features,
+                        const std::optional<at::Tensor>& qkv_bias, double eps, const at::Tensor& positions,
+                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
+                        const at::Tensor& mask, int64_t num_heads, double scale) {
+  TORCH_CHECK(out_features.size() == 4, "decode_layer: 4 output sizes");
+  at::Tensor h = heteroserve::attention_residual(x, norms, qkv_w, o_w, out_features, qkv_bias, eps, positions, cos,
+                                                 sin, k_cache, v_cache, slots, block_tables, mask, num_heads, scale);
+  const auto linear = heteroserve::project;
+  const at::Tensor gate_up = linear(heteroserve::rms_norm(h, norms[1], eps), gate_up_w, out_features[2], {});
+  return h.add_(linear(heteroserve::silu_and_mul(gate_up), down_w, out_features[3], {}));
+}
+
+}  // namespace
+
+namespace heteroserve {
+
+// The attention half of a layer for decode tokens. norms: input and post-attention RMSNorm weights, then the
+// per-head q and k norms where the model has them (Qwen3); out_features: N of qkv and o (then the MLP's).
 at::Tensor attention_residual(const at::Tensor& x, at::TensorList norms, at::TensorList qkv_w, at::TensorList o_w,
                               at::IntArrayRef out_features, const std::optional<at::Tensor>& qkv_bias, double eps,
                               const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
@@ -94,51 +112,7 @@ at::Tensor attention_residual(const at::Tensor& x, at::TensorList norms, at::Ten
   return at::add(x, linear(attention.view({T, q_size}), o_w, out_features[1], {}));
 }
 
-// A layer with a dense SwiGLU MLP; out_features: N of qkv, o, gate_up and down.
-at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorList qkv_w, at::TensorList o_w,
-                        at::TensorList gate_up_w, at::TensorList down_w, at::IntArrayRef out_features,
-                        const std::optional<at::Tensor>& qkv_bias, double eps, const at::Tensor& positions,
-                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
-                        const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
-                        const at::Tensor& mask, int64_t num_heads, double scale) {
-  TORCH_CHECK(out_features.size() == 4, "decode_layer: 4 output sizes");
-  at::Tensor h = attention_residual(x, norms, qkv_w, o_w, out_features, qkv_bias, eps, positions, cos, sin, k_cache,
-                                    v_cache, slots, block_tables, mask, num_heads, scale);
-  const auto linear = heteroserve::project;
-  const at::Tensor gate_up = linear(heteroserve::rms_norm(h, norms[1], eps), gate_up_w, out_features[2], {});
-  return h.add_(linear(heteroserve::silu_and_mul(gate_up), down_w, out_features[3], {}));
-}
-
-// A layer whose MLP is a mixture of experts (model/moe.py): the routing and the routed experts of moe_experts.cpp,
-// plus ungated shared experts (shared_gate_up empty: none); out_features: N of qkv and o.
-at::Tensor decode_moe_layer(const at::Tensor& x, at::TensorList norms, at::TensorList qkv_w, at::TensorList o_w,
-                            at::IntArrayRef out_features, const std::optional<at::Tensor>& qkv_bias, double eps,
-                            const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-                            const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
-                            const at::Tensor& block_tables, const at::Tensor& mask, int64_t num_heads, double scale,
-                            const at::Tensor& router, int64_t num_experts, const std::optional<at::Tensor>& router_bias,
-                            int64_t top_k, bool sigmoid, const std::optional<at::Tensor>& correction_bias,
-                            bool renormalize, double routed_scale, at::TensorList gate_up, at::TensorList down,
-                            int64_t gate_up_parts, int64_t down_parts, int64_t gate_up_features,
-                            int64_t first_expert, at::TensorList shared_gate_up, at::TensorList shared_down,
-                            int64_t shared_features) {
-  TORCH_CHECK(out_features.size() == 2, "decode_moe_layer: 2 output sizes");
-  at::Tensor h = attention_residual(x, norms, qkv_w, o_w, out_features, qkv_bias, eps, positions, cos, sin, k_cache,
-                                    v_cache, slots, block_tables, mask, num_heads, scale);
-  const at::Tensor normed = heteroserve::rms_norm(h, norms[1], eps);
-  const auto [weights, ids] = heteroserve::moe_route(normed, router, num_experts, router_bias, top_k, sigmoid,
-                                                     correction_bias, renormalize, routed_scale);
-  at::Tensor out = heteroserve::moe_experts(normed, ids, weights, gate_up, down, gate_up_parts, down_parts,
-                                            gate_up_features, first_expert);
-  if (!shared_gate_up.empty()) {
-    const at::Tensor gate_up_out = heteroserve::project(normed, shared_gate_up, shared_features, {});
-    out.add_(heteroserve::project(heteroserve::silu_and_mul(gate_up_out), shared_down, h.size(1), {})
-                 .to(at::kFloat));
-  }
-  return h.add_(out.to(h.scalar_type()));
-}
-
-}  // namespace
+}  // namespace heteroserve
 
 TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
   m.def("decode_layer(Tensor x, Tensor[] norms, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, Tensor[] down, "
@@ -146,12 +120,4 @@ TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor mask, int num_heads, "
         "float scale) -> Tensor");
   m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
-  m.def("decode_moe_layer(Tensor x, Tensor[] norms, Tensor[] qkv, Tensor[] o, int[] out_features, Tensor? qkv_bias, "
-        "float eps, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
-        "Tensor block_tables, Tensor mask, int num_heads, float scale, Tensor router, int num_experts, "
-        "Tensor? router_bias, int top_k, bool sigmoid, Tensor? correction_bias, bool renormalize, "
-        "float routed_scale, Tensor[] gate_up, Tensor[] down, int gate_up_parts, int down_parts, "
-        "int gate_up_features, int first_expert, Tensor[] shared_gate_up, Tensor[] shared_down, "
-        "int shared_features) -> Tensor");
-  m.impl("decode_moe_layer", c10::DispatchKey::CPU, &decode_moe_layer);
 }

@@ -3,7 +3,8 @@
 // (token, expert) pairs by expert, run each chosen expert once over its tokens' rows, add each token's weighted
 // expert outputs in ascending expert order), with the same kernels in the same order, so a token gets the bits
 // the Python path gives it and the same bits in any batch. At one token a step the Python around each expert's
-// three kernels cost more than its products (docs/PLATFORMS.md).
+// three kernels cost more than its products (docs/PLATFORMS.md). decode_moe_layer chains a MoE decoder layer of
+// a decode-only step: decode_layer.cpp's attention half, then the routing, the experts and shared experts.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -18,6 +19,7 @@
 #include <mutex>
 #include <numeric>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -90,9 +92,23 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tens
   return {weights, ids};
 }
 
+ExpertWeights::ExpertWeights(std::vector<at::Tensor> gate_up_in, std::vector<at::Tensor> down_in,
+                             int64_t gate_up_parts_in, int64_t down_parts_in, int64_t gate_up_features_in,
+                             int64_t first_expert_in)
+    : gate_up(std::move(gate_up_in)),
+      down(std::move(down_in)),
+      gate_up_parts(gate_up_parts_in),
+      down_parts(down_parts_in),
+      gate_up_features(gate_up_features_in),
+      first_expert(first_expert_in) {
+  TORCH_CHECK(gate_up_parts > 0 && down_parts > 0 && gate_up.size() % gate_up_parts == 0,
+              "ExpertWeights: whole projections");
+  experts = static_cast<int64_t>(gate_up.size()) / gate_up_parts;
+  TORCH_CHECK(static_cast<int64_t>(down.size()) == experts * down_parts, "ExpertWeights: as many down as gate_up");
+}
+
 at::Tensor moe_experts(const at::Tensor& h_in, const at::Tensor& ids_in, const at::Tensor& weights_in,
-                       at::TensorList gate_up, at::TensorList down, int64_t gate_up_parts, int64_t down_parts,
-                       int64_t gate_up_features, int64_t first_expert) {
+                       const ExpertWeights& w) {
   TORCH_CHECK(h_in.dim() == 2 && ids_in.dim() == 2 && ids_in.size(0) == h_in.size(0) &&
                   weights_in.sizes() == ids_in.sizes(),
               "moe_experts: h [T, hidden], ids and weights [T, top_k]");
@@ -100,10 +116,9 @@ at::Tensor moe_experts(const at::Tensor& h_in, const at::Tensor& ids_in, const a
               "moe_experts: int64 ids, float32 weights");
   TORCH_CHECK(h_in.scalar_type() == at::kFloat || h_in.scalar_type() == at::kBFloat16,
               "moe_experts: float32 or bfloat16 activations");
-  TORCH_CHECK(gate_up_parts > 0 && down_parts > 0 && gate_up.size() % gate_up_parts == 0,
-              "moe_experts: whole projections");
-  const int64_t experts = static_cast<int64_t>(gate_up.size()) / gate_up_parts;
-  TORCH_CHECK(static_cast<int64_t>(down.size()) == experts * down_parts, "moe_experts: as many down as gate_up");
+  const int64_t experts = w.experts, first_expert = w.first_expert;
+  const at::TensorList gate_up(w.gate_up), down(w.down);
+  const int64_t gate_up_parts = w.gate_up_parts, down_parts = w.down_parts;
   const at::Tensor h = h_in.contiguous(), ids = ids_in.contiguous(), weights = weights_in.contiguous();
   const int64_t T = h.size(0), hidden = h.size(1), top_k = ids.size(1);
   const int64_t* id = ids.const_data_ptr<int64_t>();
@@ -145,7 +160,7 @@ at::Tensor moe_experts(const at::Tensor& h_in, const at::Tensor& ids_in, const a
     char* x_data = static_cast<char*>(x.data_ptr());
     for (int64_t r = 0; r < rows; ++r) std::memcpy(x_data + r * row_bytes, h_data + token[count[e] + r] * row_bytes, row_bytes);
     const at::Tensor activated =
-        silu_and_mul(project(x, gate_up.slice(e * gate_up_parts, gate_up_parts), gate_up_features, {}));
+        silu_and_mul(project(x, gate_up.slice(e * gate_up_parts, gate_up_parts), w.gate_up_features, {}));
     outputs[e] = project(activated, down.slice(e * down_parts, down_parts), hidden, {});
   };
   if (few_rows && chosen.size() > 1) {
@@ -183,11 +198,58 @@ at::Tensor moe_experts(const at::Tensor& h_in, const at::Tensor& ids_in, const a
 
 }  // namespace heteroserve
 
+namespace {
+
+using heteroserve::ExpertWeights;
+
+at::Tensor moe_experts_op(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& weights,
+                          const c10::intrusive_ptr<ExpertWeights>& experts) {
+  return heteroserve::moe_experts(h, ids, weights, *experts);
+}
+
+// A decoder layer whose MLP is a mixture of experts, for decode tokens: the attention half, the routing, the
+// routed experts and ungated shared experts (shared_gate_up empty: none); out_features: N of qkv and o.
+at::Tensor decode_moe_layer(const at::Tensor& x, at::TensorList norms, at::TensorList qkv_w, at::TensorList o_w,
+                            at::IntArrayRef out_features, const std::optional<at::Tensor>& qkv_bias, double eps,
+                            const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+                            const at::Tensor& block_tables, const at::Tensor& mask, int64_t num_heads, double scale,
+                            const at::Tensor& router, int64_t num_experts, const std::optional<at::Tensor>& router_bias,
+                            int64_t top_k, bool sigmoid, const std::optional<at::Tensor>& correction_bias,
+                            bool renormalize, double routed_scale, const c10::intrusive_ptr<ExpertWeights>& experts,
+                            at::TensorList shared_gate_up, at::TensorList shared_down, int64_t shared_features) {
+  TORCH_CHECK(out_features.size() == 2, "decode_moe_layer: 2 output sizes");
+  at::Tensor h = heteroserve::attention_residual(x, norms, qkv_w, o_w, out_features, qkv_bias, eps, positions, cos,
+                                                 sin, k_cache, v_cache, slots, block_tables, mask, num_heads, scale);
+  const at::Tensor normed = heteroserve::rms_norm(h, norms[1], eps);
+  const auto [weights, ids] = heteroserve::moe_route(normed, router, num_experts, router_bias, top_k, sigmoid,
+                                                     correction_bias, renormalize, routed_scale);
+  at::Tensor out = heteroserve::moe_experts(normed, ids, weights, *experts);
+  if (!shared_gate_up.empty()) {
+    const at::Tensor gate_up = heteroserve::project(normed, shared_gate_up, shared_features, {});
+    out.add_(heteroserve::project(heteroserve::silu_and_mul(gate_up), shared_down, h.size(1), {}).to(at::kFloat));
+  }
+  return h.add_(out.to(h.scalar_type()));
+}
+
+}  // namespace
+
+// The class and the operators that take it in one fragment: an operator's schema names the class, which must be
+// registered first.
 TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
+  m.class_<ExpertWeights>("ExpertWeights")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t, int64_t, int64_t>());
   m.def("moe_route(Tensor h, Tensor router, int num_experts, Tensor? router_bias, int top_k, bool sigmoid, "
         "Tensor? correction_bias, bool renormalize, float routed_scale) -> (Tensor, Tensor)");
   m.impl("moe_route", c10::DispatchKey::CPU, &heteroserve::moe_route);
-  m.def("moe_experts(Tensor h, Tensor ids, Tensor weights, Tensor[] gate_up, Tensor[] down, int gate_up_parts, "
-        "int down_parts, int gate_up_features, int first_expert) -> Tensor");
-  m.impl("moe_experts", c10::DispatchKey::CPU, &heteroserve::moe_experts);
+  m.def("moe_experts(Tensor h, Tensor ids, Tensor weights, __torch__.torch.classes.heteroserve.ExpertWeights "
+        "experts) -> Tensor");
+  m.impl("moe_experts", c10::DispatchKey::CPU, &moe_experts_op);
+  m.def("decode_moe_layer(Tensor x, Tensor[] norms, Tensor[] qkv, Tensor[] o, int[] out_features, Tensor? qkv_bias, "
+        "float eps, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+        "Tensor block_tables, Tensor mask, int num_heads, float scale, Tensor router, int num_experts, "
+        "Tensor? router_bias, int top_k, bool sigmoid, Tensor? correction_bias, bool renormalize, "
+        "float routed_scale, __torch__.torch.classes.heteroserve.ExpertWeights experts, Tensor[] shared_gate_up, "
+        "Tensor[] shared_down, int shared_features) -> Tensor");
+  m.impl("decode_moe_layer", c10::DispatchKey::CPU, &decode_moe_layer);
 }
