@@ -71,8 +71,8 @@ def host_tensors(model: torch.nn.Module, on_purpose: bool = False) -> dict[int, 
 class HostReads(TorchDispatchMode):
     """Records, while the platform is `device`: operators that read one of the model's own tensors from host
     memory, and operators that mix host tensors of more than one element with device ones. Copies between host and
-    device are counted in bytes; operators on the tensors the model keeps in host memory on purpose are counted
-    apart; other work on small host tensors (positions built before they are copied over) is counted as host-side
+    device are counted in bytes; operators on the tensors the model keeps in host memory on purpose (or on an
+    object of the CPU library's holding them) are counted apart; other work on small host tensors (positions built before they are copied over) is counted as host-side
     bookkeeping."""
 
     def __init__(self, device: str) -> None:
@@ -94,7 +94,9 @@ class HostReads(TorchDispatchMode):
             owner = self.model_tensors.get(tensor.untyped_storage().data_ptr())
             if owner is not None:
                 self.reads[f"{name} reads {owner}"] += 1
-        if any(t.untyped_storage().data_ptr() in self.host_side_tensors for t in on_host):
+        # An object the C++ library holds host weights in (the CPU's fused experts: ExpertWeights) is host-side.
+        held = any(isinstance(a, torch.ScriptObject) for a in tree_flatten((args, kwargs))[0])
+        if held or any(t.untyped_storage().data_ptr() in self.host_side_tensors for t in on_host):
             self.host_side[name] += 1
         elif on_host and name in COPIES:
             self.copied_bytes += sum(t.numel() * t.element_size() for t in on_host)
