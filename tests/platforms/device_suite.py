@@ -72,8 +72,8 @@ class HostReads(TorchDispatchMode):
     """Records, while the platform is `device`: operators that read one of the model's own tensors from host
     memory, and operators that mix host tensors of more than one element with device ones. Copies between host and
     device are counted in bytes; operators on the tensors the model keeps in host memory on purpose (or on an
-    object of the CPU library's holding them) are counted apart; other work on small host tensors (positions built before they are copied over) is counted as host-side
-    bookkeeping."""
+    object of the CPU library's holding them) are counted apart; other work on small host tensors (positions
+    built before they are copied over) is counted as host-side bookkeeping."""
 
     def __init__(self, device: str) -> None:
         super().__init__()

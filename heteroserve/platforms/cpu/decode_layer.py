@@ -1,8 +1,7 @@
 """A decoder layer of a decode-only step in one C++ call (csrc/decode_layer.cpp): float32 activations with packed
 float32, 4-bit or grouped 8-bit projections, or bfloat16 activations with packed bfloat16 projections; the MLP
-dense, or a
-mixture of experts whose routed experts the CPU's experts fuser bound (moe_experts.py) and whose routing it
-computes, with ungated shared experts or none.
+dense, or a mixture of experts whose routed experts the CPU's experts fuser bound (moe_experts.py) and whose
+routing it computes, with ungated shared experts or none.
 
 The kernels are the ones the model otherwise calls one at a time; what goes is the Python between them: at one
 token a step the ~20 operator calls a layer makes from Python are a share of the step worth removing, most of all
@@ -14,15 +13,8 @@ from __future__ import annotations
 import torch
 
 from heteroserve.model.arch import ImplementedTraits, unimplemented_traits
-from heteroserve.platforms.cpu.int4 import CpuInt4Weight
-from heteroserve.platforms.cpu.int8 import CpuGroupedInt8Weight
-from heteroserve.platforms.cpu.moe_experts import PROJECTION_FORMS, CpuFusedExperts
-from heteroserve.platforms.cpu.packed import CpuPackedWeight
+from heteroserve.platforms.cpu.moe_experts import PROJECTION_FORMS, CpuFusedExperts, projection_form
 from heteroserve.platforms.operators import DecodeLayerWeights
-
-# The projection formats decode_layer.cpp reads: those of the fused experts (csrc/projection.cpp).
-FUSED_FORMATS = PROJECTION_FORMS
-
 
 # The layer traits decode_layer.cpp implements: q/k/v biases, per-head q/k norms, sliding windows (through the
 # decode mask) and any rotary table (the layer's own cos/sin).
@@ -35,18 +27,6 @@ IMPLEMENTED_TRAITS: ImplementedTraits = {
 }
 
 
-def _fusable(projection: object, dtype: torch.dtype) -> bool:
-    """Whether decode_layer.cpp multiplies `dtype` activations by this projection with the kernel the linear op
-    uses: float32 by float32 panels, 4-bit or grouped 8-bit, bfloat16 by bfloat16 panels giving bfloat16."""
-    if isinstance(projection, CpuPackedWeight):
-        return projection.packed.dtype == dtype and not projection.float_output
-    if dtype != torch.float32:
-        return False
-    if isinstance(projection, CpuGroupedInt8Weight):  # the groups int8_grouped_product reads (as the linear op)
-        return projection.weight.group_size % 16 == 0
-    return isinstance(projection, CpuInt4Weight)
-
-
 class CpuFusedDecodeLayer:
     kernel_name = "cpp fused decode layer"
 
@@ -54,13 +34,13 @@ class CpuFusedDecodeLayer:
         mlp = () if w.experts is not None else (w.gate_up, w.down)
         projections = (w.qkv, w.o_proj, *mlp)
         self.norms = [w.input_norm, w.post_norm, *(w.qk_norms or ())]
-        self.projections = [FUSED_FORMATS[type(p)](p) for p in projections]
+        self.projections = [PROJECTION_FORMS[type(p)](p) for p in projections]
         self.out_features = [p.shape[0] for p in projections]
         self.qkv_bias, self.eps, self.num_heads, self.scale = w.qkv_bias, w.eps, w.num_heads, w.scale
         self.cos, self.sin = w.cos, w.sin
         self.experts = w.experts
         shared = [p for p in (w.shared_gate_up, w.shared_down) if p is not None]
-        self.shared = [FUSED_FORMATS[type(p)](p) for p in shared] or [[], []]
+        self.shared = [PROJECTION_FORMS[type(p)](p) for p in shared] or [[], []]
         self.shared_features = shared[0].shape[0] if shared else 0
 
     def __call__(self, x, positions, k_cache, v_cache, meta) -> torch.Tensor:
@@ -94,7 +74,8 @@ class CpuFusedDecodeLayer:
 
 
 def fuse_decode_layer(w: DecodeLayerWeights) -> CpuFusedDecodeLayer | None:
-    """Layers in float32 or bfloat16 (the norms' dtype) whose projections are all `_fusable`; others (per-channel
+    """Layers in float32 or bfloat16 (the norms' dtype) whose projections all take a form the C++ kernels chain
+    (`projection_form`); others (per-channel
     8-bit weights on torch's kernel, act-order permutations, a float32 projection among bfloat16 ones), layers
     with a trait outside IMPLEMENTED_TRAITS, M-RoPE or tensor parallelism, and mixtures of experts whose experts
     run expert by expert, are chosen within groups or have a gated shared expert, stay operator by operator."""
@@ -111,7 +92,7 @@ def fuse_decode_layer(w: DecodeLayerWeights) -> CpuFusedDecodeLayer | None:
         mlp = [p for p in (w.shared_gate_up, w.shared_down) if p is not None]
     else:
         mlp = [w.gate_up, w.down]
-    if not all(_fusable(p, dtype) for p in (w.qkv, w.o_proj, *mlp)):
+    if not all(projection_form(p, dtype) is not None for p in (w.qkv, w.o_proj, *mlp)):
         return None
     return CpuFusedDecodeLayer(w)
 

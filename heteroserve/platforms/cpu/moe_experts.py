@@ -44,9 +44,10 @@ class CpuFusedExperts:
         spec: MoESpec,
         correction_bias: torch.Tensor | None,
     ) -> None:
-        """gate_up, down: the local experts' projections as the linear op prepared them, in the forms _form takes;
-        router: its float32 weight, packed here for the float32 GEMM (torch's product gives a row different bits
-        at different row counts, which would let a batch change a token's experts' weights)."""
+        """gate_up, down: the local experts' projections as the linear op prepared them, in the forms
+        projection_form takes; router: its float32 weight, packed here for the float32 GEMM (torch's product
+        gives a row different bits at different row counts, which would let a batch change a token's experts'
+        weights)."""
         self.router = torch.ops.heteroserve.pack_linear_weight(router.float())
         self.num_experts = router.shape[0]
         self.router_bias = None if router_bias is None else router_bias.float()
@@ -86,7 +87,7 @@ class CpuFusedExperts:
         return torch.ops.heteroserve.moe_experts(h, ids, weights, self.weights)
 
 
-def _form(projection: object, dtype: torch.dtype) -> tuple | None:
+def projection_form(projection: object, dtype: torch.dtype) -> tuple | None:
     """What distinguishes a projection's form for the kernel (None: a form it does not take with `dtype`
     activations): float32 activations with float32 panels, 4-bit, or grouped 8-bit in groups of a multiple of 16;
     bfloat16 activations with bfloat16 panels."""
@@ -120,7 +121,7 @@ def fuse_experts(
     if activation != "silu" or not gate_up:
         return None
     for projections in (gate_up, down):
-        forms = {_form(p, dtype) for p in projections}
+        forms = {projection_form(p, dtype) for p in projections}
         if len(forms) != 1 or None in forms:
             return None
     return CpuFusedExperts(gate_up, down, first_expert, router, router_bias, spec, correction_bias)
