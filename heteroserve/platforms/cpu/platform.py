@@ -363,17 +363,19 @@ class CpuPlatform(Platform):
         return min(DEFAULT_CPU_KV_CACHE_BYTES, available // 4, *([wanted] if wanted is not None else []))
 
     def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Zeroed host memory that the OS backs as blocks are first written: an anonymous mapping of fresh zero
-        pages, so the pool costs resident memory only as requests fill it. The mapping asks for transparent huge
-        pages (2 MiB): with 4 KiB pages the first writes of a busy step fault a page per layer and block, which
-        cost B ~6% of its throughput; where huge pages are off the start-up log says the pool pays that."""
+        """Zeroed host memory in transparent huge pages (2 MiB) where the kernel offers them, all taken at
+        allocation. Pages taken as blocks are first written cost a busy step its faults instead: 4 KiB pages fault
+        a page per layer and block, and a first write into a huge page waits for the kernel to compact one (the
+        `madvise` defrag mode), which cost scenario C ~12% of its throughput (bench/results). The pool's size is
+        what the engine's limits can fill (kv_cache_budget_bytes), so a small server still takes little memory."""
         size = math.prod(shape) * dtype.itemsize
         pages = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if transparent_huge_pages() == "never":
-            logger.info("KV cache in 4 KiB pages (transparent huge pages are off): first writes fault page by page")
+            logger.info("KV cache in 4 KiB pages (transparent huge pages are off)")
         else:
             pages.madvise(mmap.MADV_HUGEPAGE)
         words = np.frombuffer(pages, dtype=np.uint8, count=size)
+        words[:: mmap.PAGESIZE] = 0  # one write a page takes it now, not in a step
         return torch.from_numpy(words).view(dtype).view(shape)
 
     def memory_info(self) -> tuple[int, int]:
