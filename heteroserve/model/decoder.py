@@ -207,7 +207,7 @@ class DecoderLayer(nn.Module):
                 experts=None if moe is None else moe.fused_experts,
                 shared_gate_up=None if moe is None else moe.shared_gate_up,
                 shared_down=None if moe is None else moe.shared_down,
-                shared_gated=moe is not None and moe.shared_gate is not None,
+                shared_gate=None if moe is None or moe.shared_gate is None else moe.shared_gate.data,
             )
         )
 

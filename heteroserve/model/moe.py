@@ -146,11 +146,10 @@ class MoEBlock(nn.Module):
 
     def _routed(self, h: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for each row of `h`, in float32 on h's device."""
-        fused = self.fused_experts
-        if fused is not None and fused.routes:
-            weights, ids = fused.route(h)
+        if self.fused_experts is not None:
+            weights, ids = self.fused_experts.route(h)
         else:
-            logits = F.linear(h.float(), self.router, self.router_bias) if fused is None else fused.router_logits(h)
+            logits = F.linear(h.float(), self.router, self.router_bias)
             weights, ids = route(logits, self.spec, self.correction_bias)
         return self._experts(h, ids, weights)
 

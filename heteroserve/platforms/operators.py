@@ -150,11 +150,12 @@ class DecodeLayerWeights:
     multimodal_rope: bool = False  # M-RoPE (Qwen2-VL): each rotary column reads one of several position axes
     tensor_parallel_size: int = 1  # >1: the projections are a rank's slices and their outputs are all-reduced
     # A mixture-of-experts MLP: its routed experts as the platform's experts fuser bound them (None: a dense MLP,
-    # or experts the fuser did not take), and its shared experts' projections (None: none), sigmoid-gated or not.
+    # or experts the fuser did not take), its shared experts' projections (None: none) and the weight [1, hidden]
+    # in the model's dtype of their sigmoid gate (Qwen2-MoE; None: ungated).
     experts: FusedExperts | None = None
     shared_gate_up: object = None
     shared_down: object = None
-    shared_gated: bool = False
+    shared_gate: torch.Tensor | None = None
 
 
 # (x, positions, k_cache, v_cache, paged_attention.AttentionMetadata of a decode-only step) -> the layer's output.
@@ -164,16 +165,12 @@ DecodeLayerFuser = Callable[[DecodeLayerWeights], FusedDecodeLayer | None]
 
 
 class FusedExperts(Protocol):
-    """A platform's one-call kernel for a MoE layer's routed experts (and its router's product, and the routing
-    where `routes`)."""
-
-    routes: bool  # whether route() implements the layer's routing (model.moe.route otherwise)
-
-    def router_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """The router's float32 logits [T, num_experts], each row's bits the same at every row count."""
+    """A platform's one-call kernels for a MoE layer's routing (its router's product included) and its routed
+    experts."""
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, top_k] float32, expert ids [T, top_k]) of each row, as model.moe.route chooses them."""
+        """(weights [T, top_k] float32, expert ids [T, top_k]) of each row, as model.moe.route chooses them from
+        the router's float32 logits, whose bits for a row are the same at every row count."""
 
     def __call__(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The weighted sum [T, hidden] in float32 of each row's experts (`ids`, `weights`: [T, top_k])."""

@@ -34,7 +34,8 @@ def _logprob_rows(output) -> torch.Tensor:
 # writes and reads as the operators do. dtype bfloat16: bfloat16 activations and panels (AVX512-BF16 builds).
 # Mixtures of experts (the routing and experts in the same call): qwen3_moe (a dense first layer, top-2
 # renormalised; 4-bit experts), mixtral (every layer), ernie4_5_moe (a correction bias on the choice, an ungated
-# shared expert).
+# shared expert), qwen2_moe (a sigmoid-gated shared expert, top-3 not renormalised), glm4_moe (sigmoid scores,
+# experts chosen within the best of two groups, a routed scale).
 CASES = [
     ("qwen2", None, "auto", "float32"),
     ("mistral", None, "auto", "float32"),
@@ -52,6 +53,9 @@ CASES = [
     ("qwen3_moe", "int4", "auto", "float32"),
     ("ernie4_5_moe", None, "auto", "float32"),
     ("qwen3_moe", None, "auto", "bfloat16"),
+    ("qwen2_moe", None, "auto", "float32"),
+    ("qwen2_moe", None, "auto", "bfloat16"),
+    ("glm4_moe", None, "auto", "float32"),
 ]
 
 

@@ -40,23 +40,16 @@ def _int8() -> Int8Weight:
     return Int8Weight(torch.zeros(HIDDEN, HIDDEN, dtype=torch.int8), torch.ones(HIDDEN, 2), 32)
 
 
-def _experts(routes: bool) -> CpuFusedExperts:
-    """The CPU's fused experts as the fuser sees them (their type, and whether they route the layer)."""
-    experts = CpuFusedExperts.__new__(CpuFusedExperts)
-    experts.routes = routes
-    return experts
-
-
-def _moe(routes: bool = True, shared: bool = False, gated: bool = False):
-    """A mixture-of-experts layer whose routed experts the CPU fused (routing there where `routes`)."""
+def _moe(shared: bool = False, gated: bool = False):
+    """A mixture-of-experts layer whose routed experts the CPU fused (the fuser sees only their type)."""
     shared_weights = {"shared_gate_up": _packed(2 * HIDDEN), "shared_down": _packed()} if shared else {}
     return _trait(
         "moe",
         MoESpec(8, 2, HIDDEN),
         gate_up=None,
         down=None,
-        experts=_experts(routes),
-        shared_gated=gated,
+        experts=CpuFusedExperts.__new__(CpuFusedExperts),
+        shared_gate=torch.ones(1, HIDDEN) if gated else None,
         **shared_weights,
     )
 
@@ -121,10 +114,9 @@ TRAITS: dict[str, tuple[Callable[[DecodeLayerWeights], DecodeLayerWeights], bool
     "8-bit grouped weights": (_projections(lambda: CpuGroupedInt8Weight(_int8())), True),
     "8-bit per-channel weights": (_projections(lambda: CpuInt8Weight(_int8(), torch.ones(HIDDEN))), False),
     "act-order weights": (_projections(lambda: PermutedInput(_packed(), torch.arange(HIDDEN))), False),
-    "experts fused, routed by them": (_moe(), True),
+    "experts fused, no shared expert": (_moe(), True),
     "experts fused, with an ungated shared expert": (_moe(shared=True), True),
-    "experts fused, with a gated shared expert": (_moe(shared=True, gated=True), False),
-    "experts fused, chosen within groups": (_moe(routes=False), False),
+    "experts fused, with a gated shared expert": (_moe(shared=True, gated=True), True),
     **{f"layer trait {name}": row for name, row in LAYER_TRAITS.items()},
 }
 
@@ -142,8 +134,8 @@ def test_every_layer_trait_has_a_decided_answer():
 
 def test_every_decode_layer_field_is_a_listed_trait():
     """A new field on DecodeLayerWeights (something the decoder hands the fuser) must be covered above."""
-    covered = {"qkv_bias", "qk_norms", "traits", "multimodal_rope", "tensor_parallel_size", "experts", "shared_gated"}
+    covered = {"qkv_bias", "qk_norms", "traits", "multimodal_rope", "tensor_parallel_size", "experts"}
     weights_and_sizes = {"input_norm", "post_norm", "qkv", "o_proj", "gate_up", "down", "eps", "num_heads"}
-    weights_and_sizes |= {"shared_gate_up", "shared_down"}
+    weights_and_sizes |= {"shared_gate_up", "shared_down", "shared_gate"}
     rotary = {"scale", "cos", "sin"}
     assert {f.name for f in dataclasses.fields(DecodeLayerWeights)} == covered | weights_and_sizes | rotary

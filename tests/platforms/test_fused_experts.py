@@ -10,6 +10,8 @@ as well, as any MoE model on the CPU does.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -56,6 +58,12 @@ def moe_block(form: str, seed: int = 0) -> MoEBlock:
     return block
 
 
+def router_logits(block: MoEBlock, h: torch.Tensor) -> torch.Tensor:
+    """The router's logits as the fused routing computes them (the float32 GEMM on its packed router)."""
+    fused = block.fused_experts
+    return torch.ops.heteroserve.packed_linear(h.float(), fused.router, fused.num_experts, fused.router_bias)
+
+
 def expert_by_expert(block: MoEBlock, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     fused, block.fused_experts = block.fused_experts, None
     try:
@@ -72,7 +80,7 @@ def test_fused_experts_equal_the_expert_by_expert_path(form):
     gen = torch.Generator().manual_seed(1)
     for rows in ROWS:
         h = torch.randn(rows, HIDDEN, generator=gen).to(dtype)
-        logits = block.fused_experts.router_logits(h)
+        logits = router_logits(block, h)
         assert torch.allclose(logits, F.linear(h.float(), block.router), rtol=1e-5, atol=1e-5)
         weights, ids = route(logits, block.spec, None)
         fused = block._experts(h, ids, weights)
@@ -90,6 +98,48 @@ def test_a_token_gets_the_same_bits_alone_and_in_any_batch(form):
     for i in (0, 17, 39):
         assert torch.equal(block._routed(h[i : i + 1]), batched[i : i + 1])
         assert torch.equal(block._routed(h[i : i + 5]), batched[i : i + 5])
+
+
+ROUTINGS = {
+    "softmax top-k": MoESpec(16, 4, INTER, renormalize=False),
+    "softmax top-k renormalised": MoESpec(16, 4, INTER),
+    "sigmoid with a correction bias, scaled": MoESpec(
+        16, 4, INTER, scoring="sigmoid", correction_bias=True, renormalize=True, routed_scale=2.5
+    ),
+    "groups by their two best (DeepSeek-V3)": MoESpec(
+        16, 4, INTER, scoring="sigmoid", correction_bias=True, renormalize=True, num_groups=4, top_groups=2
+    ),
+    "groups by their best (DeepSeek-V2)": MoESpec(16, 4, INTER, num_groups=4, top_groups=2, group_score="max"),
+    "one group of two kept": MoESpec(16, 2, INTER, num_groups=8, top_groups=1, routed_scale=16.0),
+}
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_the_kernels_routing_chooses_as_the_python_routing(routing):
+    """csrc/moe_experts.cpp's moe_route against model/moe.py's route on the same logits: the same experts in the
+    same order, the same weights up to the softmax's rounding; and where groups limit the choice, some tokens'
+    experts differ from an unlimited choice (the groups are applied, not ignored)."""
+    spec = ROUTINGS[routing]
+    ops = CpuPlatform().operator_table(torch.float32)
+    block = MoEBlock(spec, HIDDEN, ops, "silu", None)
+    gen = torch.Generator().manual_seed(4)
+    block.router.data = torch.randn(spec.num_experts, HIDDEN, generator=gen) / HIDDEN**0.5
+    if block.correction_bias is not None:
+        block.correction_bias.data = 0.1 * torch.randn(spec.num_experts, generator=gen)
+    block.experts_gate_up = [torch.randn(2 * INTER, HIDDEN, generator=gen) for _ in range(spec.num_experts)]
+    block.experts_down = [torch.randn(HIDDEN, INTER, generator=gen) for _ in range(spec.num_experts)]
+    block.prepare_experts(ops.linear.prepare)
+    h = torch.randn(64, HIDDEN, generator=gen)
+    weights, ids = block.fused_experts.route(h)
+    logits = router_logits(block, h)
+    expected_weights, expected_ids = route(logits, spec, block.correction_bias)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=0)
+    if spec.num_groups > 1:
+        _, unlimited = route(logits, dataclasses.replace(spec, num_groups=1, top_groups=1), block.correction_bias)
+        changed = (unlimited.sort(dim=1).values != expected_ids.sort(dim=1).values).any(dim=1).sum().item()
+        print(f"{routing}: {changed} of {len(h)} tokens choose other experts than without groups")
+        assert changed > 0
 
 
 def test_experts_the_kernel_does_not_take_run_expert_by_expert():

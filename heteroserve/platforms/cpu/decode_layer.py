@@ -1,7 +1,7 @@
 """A decoder layer of a decode-only step in one C++ call (csrc/decode_layer.cpp): float32 activations with packed
 float32, 4-bit or grouped 8-bit projections, or bfloat16 activations with packed bfloat16 projections; the MLP
-dense, or a mixture of experts whose routed experts the CPU's experts fuser bound (moe_experts.py) and whose
-routing it computes, with ungated shared experts or none.
+dense, or a mixture of experts whose routed experts and routing the CPU's experts fuser bound (moe_experts.py),
+with shared experts, gated or not, or none.
 
 The kernels are the ones the model otherwise calls one at a time; what goes is the Python between them: at one
 token a step the ~20 operator calls a layer makes from Python are a share of the step worth removing, most of all
@@ -42,6 +42,7 @@ class CpuFusedDecodeLayer:
         shared = [p for p in (w.shared_gate_up, w.shared_down) if p is not None]
         self.shared = [PROJECTION_FORMS[type(p)](p) for p in shared] or [[], []]
         self.shared_features = shared[0].shape[0] if shared else 0
+        self.shared_gate = w.shared_gate
 
     def __call__(self, x, positions, k_cache, v_cache, meta) -> torch.Tensor:
         layer = (
@@ -70,6 +71,7 @@ class CpuFusedDecodeLayer:
             self.experts.weights,
             *self.shared,
             self.shared_features,
+            self.shared_gate,
         )
 
 
@@ -78,7 +80,7 @@ def fuse_decode_layer(w: DecodeLayerWeights) -> CpuFusedDecodeLayer | None:
     (`projection_form`); others (per-channel
     8-bit weights on torch's kernel, act-order permutations, a float32 projection among bfloat16 ones), layers
     with a trait outside IMPLEMENTED_TRAITS, M-RoPE or tensor parallelism, and mixtures of experts whose experts
-    run expert by expert, are chosen within groups or have a gated shared expert, stay operator by operator."""
+    run expert by expert, stay operator by operator."""
     if unimplemented_traits(w.traits, IMPLEMENTED_TRAITS) or w.multimodal_rope or w.tensor_parallel_size != 1:
         return None
     dtype = w.input_norm.dtype
@@ -87,7 +89,7 @@ def fuse_decode_layer(w: DecodeLayerWeights) -> CpuFusedDecodeLayer | None:
     if any(t.dtype != dtype for t in (w.post_norm, *(w.qk_norms or ()))):
         return None
     if "moe" in w.traits:
-        if not isinstance(w.experts, CpuFusedExperts) or not w.experts.routes or w.shared_gated:
+        if not isinstance(w.experts, CpuFusedExperts):
             return None
         mlp = [p for p in (w.shared_gate_up, w.shared_down) if p is not None]
     else:

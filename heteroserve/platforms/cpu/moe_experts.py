@@ -1,6 +1,6 @@
 """A mixture-of-experts layer's routed experts for a step in one C++ call (csrc/moe_experts.cpp), and its router's
-product on the float32 GEMM, whose rows get the same bits at every row count; routing without expert groups (a
-softmax or sigmoid's top-k, a correction bias, renormalisation, a routed scale) is computed there too, so the
+product on the float32 GEMM, whose rows get the same bits at every row count; the routing (a softmax or sigmoid's
+top-k, a correction bias, group-limited choice, renormalisation, a routed scale) is computed there too, so the
 fused decode layer (csrc/decode_layer.cpp) and the model's Python path choose a token's experts alike.
 
 model/moe.py runs each chosen expert as three operator calls from Python (gate/up product, activation, down
@@ -51,11 +51,13 @@ class CpuFusedExperts:
         self.router = torch.ops.heteroserve.pack_linear_weight(router.float())
         self.num_experts = router.shape[0]
         self.router_bias = None if router_bias is None else router_bias.float()
-        self.routes = spec.num_groups == 1
         self.routing = (
             spec.top_k,
             spec.scoring == "sigmoid",
             None if correction_bias is None else correction_bias.float().contiguous(),
+            spec.num_groups,
+            spec.top_groups,
+            spec.group_score == "max",
             spec.renormalize,
             spec.routed_scale,
         )
@@ -71,12 +73,7 @@ class CpuFusedExperts:
             first_expert,
         )
 
-    def router_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.ops.heteroserve.packed_linear(h.float(), self.router, self.num_experts, self.router_bias)
-
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.routes:
-            raise NotImplementedError("the fused experts' routing does not choose within expert groups")
         return torch.ops.heteroserve.moe_route(h, *self.router_arguments())
 
     def router_arguments(self) -> tuple:

@@ -34,10 +34,12 @@ struct ExpertWeights : torch::CustomClassHolder {
   int64_t gate_up_parts, down_parts, gate_up_features, first_expert, experts;
 };
 // A MoE layer's routing (weights, ids [T, top_k]) from its float32 router panels, and its chosen experts'
-// weighted sum [T, hidden] in float32 (moe_experts.cpp).
+// weighted sum [T, hidden] in float32 (moe_experts.cpp). num_groups > 1: only the experts of the top_groups best
+// groups compete, a group scored by its best choice (group_by_max) or the sum of its two best.
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tensor& router, int64_t num_experts,
                                              const std::optional<at::Tensor>& router_bias, int64_t top_k,
                                              bool sigmoid, const std::optional<at::Tensor>& correction_bias,
+                                             int64_t num_groups, int64_t top_groups, bool group_by_max,
                                              bool renormalize, double routed_scale);
 at::Tensor moe_experts(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& weights,
                        const ExpertWeights& experts);

@@ -8,6 +8,8 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -46,8 +48,14 @@ namespace heteroserve {
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tensor& router, int64_t num_experts,
                                              const std::optional<at::Tensor>& router_bias, int64_t top_k,
                                              bool sigmoid, const std::optional<at::Tensor>& correction_bias,
+                                             int64_t num_groups, int64_t top_groups, bool group_by_max,
                                              bool renormalize, double routed_scale) {
   TORCH_CHECK(top_k > 0 && top_k <= num_experts, "moe_route: top_k ", top_k, " of ", num_experts, " experts");
+  TORCH_CHECK(num_groups > 0 && num_experts % num_groups == 0 && top_groups > 0 && top_groups <= num_groups,
+              "moe_route: the best ", top_groups, " of ", num_groups, " equal groups of ", num_experts, " experts");
+  const int64_t group_size = num_experts / num_groups;
+  TORCH_CHECK(num_groups == 1 || group_by_max || group_size >= 2,
+              "moe_route: a group scored by its two best experts has at least two");
   TORCH_CHECK(!correction_bias.has_value() ||
                   (correction_bias->scalar_type() == at::kFloat && correction_bias->numel() == num_experts &&
                    correction_bias->is_contiguous()),
@@ -61,8 +69,8 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tens
   const float* bias = correction_bias.has_value() ? correction_bias->const_data_ptr<float>() : nullptr;
   float* weight = weights.data_ptr<float>();
   int64_t* id = ids.data_ptr<int64_t>();
-  std::vector<float> score(E), choice(E);
-  std::vector<int64_t> order(E);
+  std::vector<float> score(E), choice(E), group_score(num_groups);
+  std::vector<int64_t> order(E), group_order(num_groups);
   for (int64_t t = 0; t < T; ++t) {
     const float* l = logit + t * E;
     if (sigmoid) {
@@ -74,6 +82,30 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tens
       for (int64_t e = 0; e < E; ++e) score[e] /= total;
     }
     for (int64_t e = 0; e < E; ++e) choice[e] = bias ? score[e] + bias[e] : score[e];
+    if (num_groups > 1) {
+      for (int64_t g = 0; g < num_groups; ++g) {
+        const float* c = choice.data() + g * group_size;
+        float best = -INFINITY, second = -INFINITY;
+        for (int64_t e = 0; e < group_size; ++e) {
+          if (c[e] > best) {
+            second = best;
+            best = c[e];
+          } else if (c[e] > second) {
+            second = c[e];
+          }
+        }
+        group_score[g] = group_by_max ? best : best + second;
+      }
+      // The best top_groups groups, the lower index first among equals; the others' experts cannot be chosen.
+      std::iota(group_order.begin(), group_order.end(), 0);
+      std::partial_sort(group_order.begin(), group_order.begin() + top_groups, group_order.end(),
+                        [&](int64_t a, int64_t b) {
+                          return group_score[a] > group_score[b] || (group_score[a] == group_score[b] && a < b);
+                        });
+      for (int64_t i = top_groups; i < num_groups; ++i) {
+        std::fill_n(choice.begin() + group_order[i] * group_size, group_size, -INFINITY);
+      }
+    }
     // The best top_k by choice, the lower index first among equals.
     std::iota(order.begin(), order.end(), 0);
     std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
@@ -208,7 +240,8 @@ at::Tensor moe_experts_op(const at::Tensor& h, const at::Tensor& ids, const at::
 }
 
 // A decoder layer whose MLP is a mixture of experts, for decode tokens: the attention half, the routing, the
-// routed experts and ungated shared experts (shared_gate_up empty: none); out_features: N of qkv and o.
+// routed experts and shared experts (shared_gate_up empty: none), scaled by sigmoid(shared_gate . h) where
+// shared_gate is given (Qwen2-MoE) as model/moe.py scales them; out_features: N of qkv and o.
 at::Tensor decode_moe_layer(const at::Tensor& x, at::TensorList norms, at::TensorList qkv_w, at::TensorList o_w,
                             at::IntArrayRef out_features, const std::optional<at::Tensor>& qkv_bias, double eps,
                             const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
@@ -216,18 +249,25 @@ at::Tensor decode_moe_layer(const at::Tensor& x, at::TensorList norms, at::Tenso
                             const at::Tensor& block_tables, const at::Tensor& mask, int64_t num_heads, double scale,
                             const at::Tensor& router, int64_t num_experts, const std::optional<at::Tensor>& router_bias,
                             int64_t top_k, bool sigmoid, const std::optional<at::Tensor>& correction_bias,
-                            bool renormalize, double routed_scale, const c10::intrusive_ptr<ExpertWeights>& experts,
-                            at::TensorList shared_gate_up, at::TensorList shared_down, int64_t shared_features) {
+                            int64_t num_groups, int64_t top_groups, bool group_by_max, bool renormalize,
+                            double routed_scale, const c10::intrusive_ptr<ExpertWeights>& experts,
+                            at::TensorList shared_gate_up, at::TensorList shared_down, int64_t shared_features,
+                            const std::optional<at::Tensor>& shared_gate) {
   TORCH_CHECK(out_features.size() == 2, "decode_moe_layer: 2 output sizes");
   at::Tensor h = heteroserve::attention_residual(x, norms, qkv_w, o_w, out_features, qkv_bias, eps, positions, cos,
                                                  sin, k_cache, v_cache, slots, block_tables, mask, num_heads, scale);
   const at::Tensor normed = heteroserve::rms_norm(h, norms[1], eps);
   const auto [weights, ids] = heteroserve::moe_route(normed, router, num_experts, router_bias, top_k, sigmoid,
-                                                     correction_bias, renormalize, routed_scale);
+                                                     correction_bias, num_groups, top_groups, group_by_max,
+                                                     renormalize, routed_scale);
   at::Tensor out = heteroserve::moe_experts(normed, ids, weights, *experts);
+  TORCH_CHECK(!shared_gate.has_value() || !shared_gate_up.empty(), "decode_moe_layer: a gate without shared experts");
   if (!shared_gate_up.empty()) {
     const at::Tensor gate_up = heteroserve::project(normed, shared_gate_up, shared_features, {});
-    out.add_(heteroserve::project(heteroserve::silu_and_mul(gate_up), shared_down, h.size(1), {}).to(at::kFloat));
+    at::Tensor shared =
+        heteroserve::project(heteroserve::silu_and_mul(gate_up), shared_down, h.size(1), {}).to(at::kFloat);
+    if (shared_gate.has_value()) shared.mul_(at::sigmoid(at::linear(normed, *shared_gate)).to(at::kFloat));
+    out.add_(shared);
   }
   return h.add_(out.to(h.scalar_type()));
 }
@@ -240,7 +280,8 @@ TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
   m.class_<ExpertWeights>("ExpertWeights")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t, int64_t, int64_t>());
   m.def("moe_route(Tensor h, Tensor router, int num_experts, Tensor? router_bias, int top_k, bool sigmoid, "
-        "Tensor? correction_bias, bool renormalize, float routed_scale) -> (Tensor, Tensor)");
+        "Tensor? correction_bias, int num_groups, int top_groups, bool group_by_max, bool renormalize, "
+        "float routed_scale) -> (Tensor, Tensor)");
   m.impl("moe_route", c10::DispatchKey::CPU, &heteroserve::moe_route);
   m.def("moe_experts(Tensor h, Tensor ids, Tensor weights, __torch__.torch.classes.heteroserve.ExpertWeights "
         "experts) -> Tensor");
@@ -248,8 +289,9 @@ TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
   m.def("decode_moe_layer(Tensor x, Tensor[] norms, Tensor[] qkv, Tensor[] o, int[] out_features, Tensor? qkv_bias, "
         "float eps, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
         "Tensor block_tables, Tensor mask, int num_heads, float scale, Tensor router, int num_experts, "
-        "Tensor? router_bias, int top_k, bool sigmoid, Tensor? correction_bias, bool renormalize, "
-        "float routed_scale, __torch__.torch.classes.heteroserve.ExpertWeights experts, Tensor[] shared_gate_up, "
-        "Tensor[] shared_down, int shared_features) -> Tensor");
+        "Tensor? router_bias, int top_k, bool sigmoid, Tensor? correction_bias, int num_groups, int top_groups, "
+        "bool group_by_max, bool renormalize, float routed_scale, "
+        "__torch__.torch.classes.heteroserve.ExpertWeights experts, Tensor[] shared_gate_up, Tensor[] shared_down, "
+        "int shared_features, Tensor? shared_gate) -> Tensor");
   m.impl("decode_moe_layer", c10::DispatchKey::CPU, &decode_moe_layer);
 }
