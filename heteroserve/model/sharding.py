@@ -5,8 +5,11 @@ and a slice of the MLP's intermediate rows), o and down are row-parallel (the ma
 partial outputs are summed by an all-reduce), the embedding and LM head own a slice of the vocabulary.
 KV heads are split like query heads, each with the query heads that read it, as evenly as they go (9 query and
 3 KV heads over 2 ranks: 3 + 6 and 1 + 2); with fewer KV heads than ranks each rank keeps a copy of the one its
-query heads read. MLP rows and vocabulary rows are split as evenly as they go. Compressed weights slice themselves
-(ShardableWeight) in their packed form: rows freely, columns at group borders.
+query heads read. Latent attention (DeepSeek-V2/V3) splits its query heads likewise (q_proj or q_b_proj rows,
+kv_b_proj's per-head key and value rows, o_proj's columns) and keeps the latent on every rank: the latent
+projections and the KV cache's one latent a token are replicated, as vLLM replicates them. MLP rows and
+vocabulary rows are split as evenly as they go. Compressed weights slice themselves (ShardableWeight) in their
+packed form: rows freely, columns at group borders.
 Pipeline parallelism keeps the layers of the rank's stage, renumbered from 0.
 """
 
@@ -28,6 +31,8 @@ _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.")
 _EXPERT_DOWN_BIAS = re.compile(r"^mlp\.experts\.\d+\.down_proj\.bias$")
 _SPLIT_MODULES = (
     "q_proj",
+    "q_b_proj",
+    "kv_b_proj",
     "k_proj",
     "v_proj",
     "gate_proj",
@@ -130,15 +135,25 @@ class ModelShard:
         a, d = self.arch, self.full_arch.head_dim
         q = (self.head_start * d, (self.head_start + a.num_heads) * d)
         kv = (self.kv_head_start * d, (self.kv_head_start + a.num_kv_heads) * d)
+        o = q
+        mla = next((layer.mla for layer in self.full_arch.layers if layer.mla is not None), None)
+        if mla is not None:  # per query head: its q rows, its key and value rows of kv_b, its value's o columns
+
+            def heads(width: int) -> tuple[int, int]:
+                return self.head_start * width, (self.head_start + a.num_heads) * width
+
+            q = heads(mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+            kv = heads(mla.qk_nope_head_dim + mla.v_head_dim)
+            o = heads(mla.v_head_dim)
         mlp = (self.mlp_start, self.mlp_start + a.intermediate_size)
         if mlp_kind != "dense":
             moe = next(layer.moe for layer in a.layers if layer.moe is not None)
             start = self.expert_start if mlp_kind == "expert" else self.shared_start
             mlp = (start, start + (moe.intermediate_size if mlp_kind == "expert" else moe.shared_intermediate_size))
         vocab = (self.vocab_start, self.vocab_start + a.vocab_size)
-        rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": mlp, "up_proj": mlp}
-        rows |= {"embed_tokens": vocab, "lm_head": vocab}
-        columns = {"o_proj": q, "down_proj": mlp}
+        rows = {"q_proj": q, "q_b_proj": q, "k_proj": kv, "v_proj": kv, "kv_b_proj": kv, "gate_proj": mlp}
+        rows |= {"up_proj": mlp, "embed_tokens": vocab, "lm_head": vocab}
+        columns = {"o_proj": o, "down_proj": mlp}
         if module in rows:
             return ("rows", *rows[module])
         if module in columns:
@@ -175,11 +190,6 @@ def check_tensor_parallel(arch: ModelArch, tp: int, expert_parallel: bool = Fals
         raise ValueError(
             f"{arch.model_type} normalises q and k over all heads at once, which tensor parallelism would split; "
             "run it on one rank (tensor_parallel_size=1)"
-        )
-    if tp > 1 and any(layer.mla is not None for layer in arch.layers):
-        raise ValueError(
-            f"{arch.model_type}: tensor parallelism over latent attention (its heads' shares of kv_b_proj and the "
-            "replicated latent) is not implemented; run it on one rank or over pipeline stages"
         )
     problem = _split_problem(arch, tp)
     if problem:

@@ -71,6 +71,9 @@ def test_tensor_parallel_replicated_kv_head_and_uneven_vocabulary(one_kv_head, g
         ("gemma2", "pipeline_parallel_size"),
         ("qwen2_moe", "tensor_parallel_size"),
         ("gpt_oss", "tensor_parallel_size"),
+        ("deepseek_v2", "tensor_parallel_size"),
+        ("deepseek_v3", "tensor_parallel_size"),
+        ("deepseek_v3", "enable_expert_parallel"),
     ],
 )
 def test_families_with_biases_soft_capping_and_windows_over_two_ranks(family, parallel, tmp_path, greedy_comparison):
@@ -79,9 +82,13 @@ def test_families_with_biases_soft_capping_and_windows_over_two_ranks(family, pa
     stages whose layers use different sets of windows (a window layer and a global one, then a window layer): each
     stage keeps every KV group, in the model's order; Qwen2-MoE: each rank a slice of every expert and of the gated
     shared expert, routed on the whole hidden state, the partial sums all-reduced with the dense layer's; gpt-oss:
-    each rank its heads' sinks, the experts' output biases added by one rank."""
+    each rank its heads' sinks, the experts' output biases added by one rank; DeepSeek-V2 / V3: latent attention
+    with each rank's query heads (q_proj, or q_b_proj after the replicated bottleneck), their rows of kv_b_proj
+    and columns of o_proj, the latent and its KV cache on both ranks, group-limited routing over sliced experts
+    (or, with expert parallelism, over each rank's whole experts)."""
     tiny = save_tiny(family, tmp_path)
-    _check_against_transformers(tiny, greedy_comparison, f"{family} {parallel}=2", **{parallel: 2})
+    ranks = {"tensor_parallel_size": 2, "enable_expert_parallel": True} if parallel == "enable_expert_parallel" else {}
+    _check_against_transformers(tiny, greedy_comparison, f"{family} {parallel}", **(ranks or {parallel: 2}))
 
 
 def test_expert_parallel_holds_whole_experts_per_rank(tmp_path, greedy_comparison):

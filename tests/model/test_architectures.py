@@ -288,7 +288,8 @@ def test_longrope_context_is_its_original_one(tmp_path):
 def test_latent_attention_caches_one_latent_a_token(tmp_path, greedy_comparison):
     """DeepSeek's KV cache holds the latent and the rotary key once a token (32 + 8 values a layer here, one tensor
     read as both keys and values), where the attention it computes has 4 heads of 24-wide keys and 16-wide values
-    (160 values a token and layer in a multi-head cache). Over two pipeline stages too; tensor parallelism refused."""
+    (160 values a token and layer in a multi-head cache). Over two pipeline stages too (two tensor-parallel ranks:
+    tests/distributed/test_tensor_parallel.py)."""
     tiny = save_tiny("deepseek_v3", tmp_path)
     llm = tiny.llm(block_size=4)
     runner = llm.engine.runner
@@ -305,8 +306,6 @@ def test_latent_attention_caches_one_latent_a_token(tmp_path, greedy_comparison)
         _check_all(tiny, "latent-pp2", outputs, token_prompts, greedy_comparison, expect_prompt_logprobs=False)
     finally:
         staged.shutdown()
-    with pytest.raises(ValueError, match="tensor parallelism over latent attention"):
-        tiny.llm(tensor_parallel_size=2)
 
 
 def test_dynamic_ntk_runs_within_its_original_context(tmp_path, greedy_comparison):
