@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType
-from gguf.quants import quantize
+from gguf.quants import QuantError, quantize
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -132,13 +132,16 @@ FLOAT_MATRICES = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 
 
 def write_tensors(writer: GGUFWriter, tensors: dict[str, np.ndarray], qtype: GGMLQuantizationType) -> None:
-    """The file type, then the tensors (weight matrices and expert stacks in `qtype`, the rest float32, as
-    convert_hf_to_gguf.py chooses), and the file is written."""
+    """The file type, then the tensors (weight matrices and expert stacks in `qtype`, float16 where their rows are
+    not whole blocks, the rest float32, as convert_hf_to_gguf.py chooses), and the file is written."""
     quantized = qtype != GGMLQuantizationType.F32
     writer.add_file_type(LlamaFileType.MOSTLY_Q8_0 if quantized else LlamaFileType.ALL_F32)
     for name, value in tensors.items():
         if quantized and value.ndim >= 2 and name.endswith(".weight") and not name.endswith(FLOAT_MATRICES):
-            writer.add_tensor(name, quantize(value, qtype), raw_dtype=qtype)
+            try:
+                writer.add_tensor(name, quantize(value, qtype), raw_dtype=qtype)
+            except QuantError:  # the converter's fallback
+                writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float16))
         else:
             writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
     writer.write_header_to_file()

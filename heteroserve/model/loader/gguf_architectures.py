@@ -15,6 +15,12 @@ fused in `ffn_gate_up_exps` where the converter was asked to), which gguf_loader
 expert; its router is `ffn_gate_inp`. Which layers hold experts is read from where the routers are, and the
 experts' sizes from the tensors' shapes (ERNIE's converter writes a shared-expert length of its own guessing).
 An architecture whose dense files may also carry experts (Llama's, for Mixtral) names its `with_experts` variant.
+
+DeepSeek-V2/V3 (`deepseek2`): latent attention's kv_b_proj is written split per head into `attn_k_b` (each head's
+key rows transposed) and `attn_v_b`, which gguf_loader.py joins back; the file's KV head is the latent's one and
+its key length the latent's, so the heads' sizes come from the `*_mla` keys. Softmax scores make it a DeepSeek-V2
+(groups scored by their best expert), sigmoid scores a V3 (by their two best). Its YaRN keeps one mscale
+(`yarn_log_multiplier` = 0.1 * mscale_all_dim), so the cached rotary tables are unscaled, as llama.cpp computes them.
 """
 
 from __future__ import annotations
@@ -78,6 +84,18 @@ _MOE_LAYER = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _GLM4_MOE_LAYER = {**_MOE_LAYER, "post_attention_norm": "post_attention_layernorm"}
+_DEEPSEEK2_LAYER = {
+    **_MOE_LAYER,
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",  # older converters' (newer ones split it: LATENT_KV_B)
+}
+# llama.cpp's per-head halves of latent attention's kv_b_proj: keys [heads, kv_lora_rank, nope] and values
+# [heads, v, kv_lora_rank] (torch order), joined back into kv_b_proj by gguf_loader.py.
+LATENT_KV_B = ("attn_k_b", "attn_v_b", "self_attn.kv_b_proj")
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # llama.cpp's expert stacks -> the projections of each expert they hold, in row order.
 EXPERT_STACKS = {
@@ -104,6 +122,7 @@ class GGUFArchitecture:
     split_qkv: bool = False
     moe: bool = False  # its layers may hold experts
     with_experts: GGUFArchitecture | None = None  # the variant a file with `<arch>.expert_count` is
+    yarn: bool = False  # its converter's YaRN keys are read (config adds what else the family needs of them)
 
 
 def _biases(meta: Metadata, key: str = "attention_bias") -> dict:
@@ -324,6 +343,58 @@ def _glm4_moe(meta: Metadata) -> dict:
     }
 
 
+_SOFTMAX = 1  # gguf.ExpertGatingFuncType
+
+
+def _deepseek2(meta: Metadata) -> dict:
+    """DeepSeek-V2 (softmax scores) or V3 (sigmoid, a correction bias): latent attention, dense leading layers, shared
+    experts, group-limited choice where the file has groups. `model_type` picks the family's config."""
+    gating = meta.get("expert_gating_func", _SOFTMAX)  # llama.cpp reads files without the key as softmax (V2)
+    if gating not in (_SOFTMAX, _SIGMOID):
+        raise ValueError(f"GGUF key deepseek2.expert_gating_func {gating} is not softmax (1) or sigmoid (2)")
+    v3 = gating == _SIGMOID
+    layers = meta.common["num_hidden_layers"]
+    experts = Experts.of(meta)
+    dense = meta.get("leading_dense_block_count", 0)
+    experts.check_layers(list(range(dense, layers)), f"DeepSeek (after {dense} dense ones)")
+    rope_dim = meta.get("rope.dimension_count", None)
+    key_mla, value_mla = meta.get("attention.key_length_mla", None), meta.get("attention.value_length_mla", None)
+    if key_mla is None:  # converters before the `*_mla` keys wrote the heads' sizes as key and value lengths
+        key_mla, value_mla = meta.get("attention.key_length", None), meta.get("attention.value_length", None)
+    groups = meta.get("expert_group_count", 1)
+    rope = {k: v for k, v in meta.common["rope_parameters"].items() if k != "partial_rotary_factor"}
+    if rope["rope_type"] == "yarn":
+        log_multiplier = meta.get("rope.scaling.yarn_log_multiplier", None)
+        if log_multiplier is None:  # no mscale: llama.cpp scales neither the tables nor the scores
+            rope["attention_factor"] = 1.0
+        else:
+            rope["mscale"] = rope["mscale_all_dim"] = log_multiplier / 0.1
+    config = {
+        "model_type": "deepseek_v3" if v3 else "deepseek_v2",
+        "num_key_value_heads": meta.common["num_attention_heads"],  # the latent serves every head
+        "head_dim": rope_dim,
+        "q_lora_rank": meta.get("attention.q_lora_rank", None),
+        "kv_lora_rank": meta.get("attention.kv_lora_rank", None),
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": key_mla - rope_dim,
+        "v_head_dim": value_mla,
+        "rope_parameters": rope,
+        "n_routed_experts": experts.count,
+        "num_experts_per_tok": experts.used,
+        "moe_intermediate_size": experts.intermediate,
+        "n_shared_experts": experts.shared_count(),
+        "first_k_dense_replace": dense,
+        "n_group": groups,
+        "topk_group": meta.get("expert_group_used_count", 1),
+        "routed_scaling_factor": meta.get("expert_weights_scale", 1.0),
+        "norm_topk_prob": bool(meta.get("expert_weights_norm", False)),
+        "attention_bias": False,
+    }
+    if v3:
+        return {**config, "rope_interleave": True, "num_nextn_predict_layers": 0}
+    return {**config, "topk_method": "group_limited_greedy" if groups > 1 else "greedy"}
+
+
 _MIXTRAL = GGUFArchitecture("mixtral", _mixtral, _MOE_LAYER, permuted_qk=True, moe=True)  # Llama's, with experts
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "llama": GGUFArchitecture("llama", _biases, permuted_qk=True, with_experts=_MIXTRAL),
@@ -345,6 +416,7 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "qwen3moe": GGUFArchitecture("qwen3_moe", _qwen3_moe, _MOE_LAYER, moe=True),
     "ernie4_5-moe": GGUFArchitecture("ernie4_5_moe", _ernie4_5_moe, _MOE_LAYER, moe=True),
     "glm4moe": GGUFArchitecture("glm4_moe", _glm4_moe, _GLM4_MOE_LAYER, moe=True),
+    "deepseek2": GGUFArchitecture("deepseek_v2", _deepseek2, _DEEPSEEK2_LAYER, moe=True, yarn=True),
 }
 
 

@@ -24,6 +24,7 @@ from heteroserve.model.loader.gguf_architectures import (
     CORRECTION_BIAS,
     EXPERT_STACKS,
     GLOBAL_TENSORS,
+    LATENT_KV_B,
     GGUFArchitecture,
     Metadata,
     gguf_architecture,
@@ -35,7 +36,8 @@ from heteroserve.quantization.int8 import Int8Weight
 # Metadata keys whose meaning no family here implements: refused rather than ignored.
 _REFUSED_KEYS = {
     "rope.dimension_sections": "M-RoPE sections",
-    "attention.q_lora_rank": "low-rank (MLA) attention",
+    "rope.scaling.yarn_ext_factor": "a YaRN extrapolation factor",
+    "rope.scaling.yarn_attn_factor": "a YaRN attention factor",
 }
 # llama.cpp's per-frequency divisors of the rotary (the Llama 3 scaling, as its converter writes it).
 ROPE_FREQS = "rope_freqs.weight"
@@ -98,7 +100,7 @@ def gguf_config(reader: GGUFReader) -> PretrainedConfig:
         "max_position_embeddings": get("context_length", 4096),
         # The converter writes the original Qwen's epsilon under layer_norm_epsilon, although its norm is RMS.
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon") or get("attention.layer_norm_epsilon", 1e-6),
-        "rope_parameters": _rope_parameters(arch_name, get, head_dim, ROPE_FREQS in names),
+        "rope_parameters": _rope_parameters(arch_name, get, head_dim, ROPE_FREQS in names, arch.yarn),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
@@ -107,7 +109,8 @@ def gguf_config(reader: GGUFReader) -> PretrainedConfig:
     extra = arch.config(Metadata(get, names, common, shapes))
     if get("attention.sliding_window") and "sliding_window" not in extra:
         raise ValueError(f"GGUF key {arch_name}.attention.sliding_window is not supported for this architecture")
-    config = AutoConfig.for_model(arch.model_type, **{**common, **extra})
+    model_type = extra.pop("model_type", arch.model_type)  # where one architecture is several families (DeepSeek)
+    config = AutoConfig.for_model(model_type, **{**common, **extra})
     rope_freqs = _rope_freqs(reader)
     if rope_freqs is not None:  # each rotary frequency divided by its factor (layers/rotary.py)
         config.rope_frequency_divisors = rope_freqs
@@ -119,16 +122,28 @@ def _rope_freqs(reader: GGUFReader) -> list[float] | None:
     return None if tensor is None else _load(tensor, False).float().flatten().tolist()
 
 
-def _rope_parameters(arch_name: str, get, head_dim: int, rope_freqs: bool) -> dict:
-    """rope.freq_base, a linear scaling, and a partial rotary where rope.dimension_count is under head_dim."""
+def _rope_parameters(arch_name: str, get, head_dim: int, rope_freqs: bool, yarn: bool) -> dict:
+    """rope.freq_base, a linear scaling (or YaRN's frequencies where the architecture reads YaRN), and a partial
+    rotary where rope.dimension_count is under head_dim."""
     params = {"rope_type": "default", "rope_theta": get("rope.freq_base", 10000.0)}
     scaling = get("rope.scaling.type", "none")
-    if scaling == "linear" and rope_freqs:
-        raise ValueError(f"GGUF key {arch_name}.rope.scaling.type linear beside a {ROPE_FREQS} tensor is not supported")
+    if scaling in ("linear", "yarn") and rope_freqs:
+        raise ValueError(
+            f"GGUF key {arch_name}.rope.scaling.type {scaling} beside a {ROPE_FREQS} tensor is not supported"
+        )
     if scaling == "linear":
         params = {**params, "rope_type": "linear", "factor": get("rope.scaling.factor")}
+    elif scaling == "yarn" and yarn:
+        params |= {
+            "rope_type": "yarn",
+            "factor": get("rope.scaling.factor"),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            "beta_fast": get("rope.scaling.yarn_beta_fast", 32.0),  # llama.cpp's defaults, and transformers'
+            "beta_slow": get("rope.scaling.yarn_beta_slow", 1.0),
+        }
     elif scaling != "none":
-        raise ValueError(f"GGUF key {arch_name}.rope.scaling.type {scaling!r} is not supported (none, linear are)")
+        supported = "none, linear, yarn" if yarn else "none, linear"
+        raise ValueError(f"GGUF key {arch_name}.rope.scaling.type {scaling!r} is not supported ({supported} are)")
     rotary_dim = get("rope.dimension_count", head_dim)
     if rotary_dim != head_dim:
         params["partial_rotary_factor"] = rotary_dim / head_dim
@@ -164,6 +179,9 @@ _LINEAR_SUFFIXES = (
     "attn_k.weight",
     "attn_v.weight",
     "attn_output.weight",
+    "attn_q_a.weight",
+    "attn_q_b.weight",
+    "attn_kv_a_mqa.weight",
     "ffn_gate.weight",
     "ffn_up.weight",
     "ffn_down.weight",
@@ -193,12 +211,21 @@ def iterate_gguf(
     dequantised). The converter's transforms are undone (gguf_architectures.py). Blocks past the model's layers
     (GLM-4.5's multi-token prediction) are skipped."""
     _, arch = reader_architecture(reader)
+    tensors = {t.name: t for t in reader.tensors}
     for tensor in reader.tensors:
         block, kind = _block(tensor.name)
         if (block is not None and block >= config.num_hidden_layers) or tensor.name == ROPE_FREQS:
             continue  # rope_freqs is read into the config (gguf_config)
         if kind in EXPERT_STACKS:
             yield from _experts(tensor, block, EXPERT_STACKS[kind], keep_quantized)
+            continue
+        if kind == LATENT_KV_B[0]:  # with its attn_v_b, which is skipped below
+            values = tensors.get(tensor.name.replace(LATENT_KV_B[0], LATENT_KV_B[1]))
+            if values is None:
+                raise ValueError(f"GGUF tensor {tensor.name!r} has no {LATENT_KV_B[1]} beside it")
+            yield f"model.layers.{block}.{LATENT_KV_B[2]}.weight", _joined_kv_b(tensor, values)
+            continue
+        if kind == LATENT_KV_B[1]:
             continue
         name = _hf_name(tensor.name, arch)
         value = _load(tensor, keep_quantized)
@@ -242,6 +269,16 @@ def _experts(tensor, block: int, projections: tuple[str, ...], keep_quantized: b
         parts = split_rows(value, [rows // len(projections)] * len(projections)) if len(projections) > 1 else [value]
         for projection, part in zip(projections, parts, strict=True):
             yield f"model.layers.{block}.mlp.experts.{e}.{projection}.weight", part
+
+
+def _joined_kv_b(keys, values) -> torch.Tensor:
+    """Latent attention's kv_b_proj [heads * (nope + v), kv_lora_rank] from llama.cpp's attn_k_b [heads, kv_lora_rank,
+    nope] and attn_v_b [heads, v, kv_lora_rank]: each head's key rows, then its value rows (dense float32, as the
+    model keeps it)."""
+    k_b, v_b = _load(keys, False), _load(values, False)
+    if k_b.ndim != 3 or v_b.ndim != 3 or k_b.shape[:2] != (v_b.shape[0], v_b.shape[2]):
+        raise ValueError(f"GGUF tensors {keys.name!r} {tuple(k_b.shape)} and {values.name!r} {tuple(v_b.shape)} differ")
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1]).contiguous()
 
 
 def _load(tensor, keep_quantized: bool) -> torch.Tensor | Int4Weight | Int8Weight:
