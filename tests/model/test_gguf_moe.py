@@ -17,8 +17,8 @@ Opt-in, as in test_gguf_families.py: HETEROSERVE_LLAMA_CPP (a llama.cpp source t
 llama.cpp's own convert_hf_to_gguf.py, whose files must hold what `write_moe_gguf` writes;
 HETEROSERVE_LLAMA_CPP_PYTHON (llama-cpp-python's source) with LLAMA_CPP_LIB_PATH (a built libllama's folder)
 compares with llama.cpp's logits on the same files, and has llama.cpp quantise wider models to Q4_K_M (Q4_K and
-Q6_K experts), which are checked against transformers on the file's values and against llama.cpp (DeepSeek's
-files are not among those yet: LIBLLAMA_CASES).
+Q6_K experts), which are checked against transformers on the file's values and against llama.cpp (which cases
+each takes: LIBLLAMA_CASES, K_QUANT_CASES).
 """
 
 from __future__ import annotations
@@ -183,8 +183,11 @@ CASES = {
         77,
     ),
 }
-# Read by libllama in the tests below that need it; DeepSeek's are not run there yet.
-LIBLLAMA_CASES = [case for case in CASES if not case.startswith("deepseek")]
+# Files libllama loads: it reads a deepseek2 file without a query bottleneck (attention.q_lora_rank) only at
+# DeepSeek-V2-Lite's 26 or 27 layers, so the tiny V2 is not among them.
+LIBLLAMA_CASES = [case for case in CASES if case != "deepseek_v2"]
+# Grown to K-quant block sizes (K_QUANT_OVERRIDES); DeepSeek's latent sizes are not.
+K_QUANT_CASES = [case for case in CASES if not case.startswith("deepseek")]
 # transformers' GGUF loader reads these architectures (it stacks the experts back itself).
 TRANSFORMERS_READS = {"qwen2_moe", "qwen3_moe"}
 
@@ -612,7 +615,7 @@ K_QUANT_OVERRIDES = {
 
 
 @needs_libllama
-@pytest.mark.parametrize("case", LIBLLAMA_CASES)
+@pytest.mark.parametrize("case", K_QUANT_CASES)
 def test_llama_cpp_q4_k_m_kept_compressed(case, tmp_path, greedy_comparison, dequantized):
     """A float32 file quantised to Q4_K_M by llama.cpp (Q4_K experts, Q6_K down stacks on some layers): experts
     kept compressed at under twice the file's size; kept so, and dequantised at load, the same tokens and logprobs
