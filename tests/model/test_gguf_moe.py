@@ -208,13 +208,20 @@ def _names(arch: Architecture, cfg, module: str, suffix: str | None) -> list[tup
 
 
 def write_moe_gguf(
-    model, arch: Architecture, path: Path, qtype: GGMLQuantizationType = F32, vocab=False, flat_shared_gate=False
+    model,
+    arch: Architecture,
+    path: Path,
+    qtype: GGMLQuantizationType = F32,
+    vocab=False,
+    flat_shared_gate=False,
+    whole_kv_b=False,
 ) -> Path:
     """The transformers MoE model as convert_hf_to_gguf.py writes `arch`; with `vocab`, a byte vocabulary llama.cpp
     can load. GLM-4.5's multi-token-prediction block is written after the model's (the converter counts it in
     block_count; transformers builds none, so it holds the last layer's weights and placeholder nextn tensors).
     With `flat_shared_gate`, Qwen2-MoE's shared-expert gate [1, hidden] is written as a vector, as older
-    converters squeezed it (transformers' GGUF loader reads it only so)."""
+    converters squeezed it (transformers' GGUF loader reads it only so); with `whole_kv_b`, DeepSeek's kv_b_proj
+    as one attn_kv_b and the heads' sizes as key and value lengths, as converters before the split wrote them."""
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, 1 if arch.latent else cfg.num_key_value_heads
     sd = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
@@ -226,7 +233,7 @@ def write_moe_gguf(
         if match is None:
             continue
         index, module, suffix = match.groups()
-        if module == "self_attn.kv_b_proj":  # per head: its key rows transposed, then its value rows
+        if module == "self_attn.kv_b_proj" and not whole_kv_b:  # per head: its key rows transposed, its value rows
             kv_b = value.reshape(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
             tensors[f"blk.{index}.attn_k_b.weight"] = np.ascontiguousarray(
                 kv_b[:, : cfg.qk_nope_head_dim].transpose(0, 2, 1)
@@ -255,7 +262,12 @@ def write_moe_gguf(
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if arch.latent:  # one KV head: the latent and the rotary key; the values are the latent
+    if arch.latent and whole_kv_b:  # the heads' sizes
+        writer.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        writer.add_value_length(cfg.v_head_dim)
+        if cfg.q_lora_rank is not None:
+            writer.add_q_lora_rank(cfg.q_lora_rank)
+    elif arch.latent:  # one KV head: the latent and the rotary key; the values are the latent
         writer.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         writer.add_value_length(cfg.kv_lora_rank)
         if cfg.q_lora_rank is not None:
@@ -273,6 +285,8 @@ def write_moe_gguf(
     writer.add_expert_used_count(getattr(cfg, "num_experts_per_tok", None) or cfg.moe_k)
     adders = {bool: writer.add_bool, float: writer.add_float32, int: writer.add_uint32, str: writer.add_string}
     for key, source in arch.keys.items():
+        if whole_kv_b and key.endswith("_mla"):
+            continue
         value = source(cfg) if callable(source) else getattr(cfg, source)
         for name, item in value.items() if isinstance(value, dict) else [(key, value)]:
             adders[type(item)](f"{arch.name}.{name}", item)
@@ -442,6 +456,16 @@ def _check_gguf(case, path: Path, model, quantized: bool, comparison, dequantize
     label = f"gguf/{case}/{'quantized' if quantized else 'f32'}"
     for i, (output, prompt) in enumerate(zip(run(llm, batch, greedy_params(vocab)), batch, strict=True)):
         check_output(f"{label}[{i}]", output, prompt, reference, comparison)
+
+
+def test_deepseek_files_before_the_split_kv_b(tmp_path, greedy_comparison, dequantized):
+    """A DeepSeek-V2 file as converters wrote them before kv_b_proj was split per head: one attn_kv_b, the heads'
+    sizes as key and value lengths and no `*_mla` keys, against transformers."""
+    model, _ = _build("deepseek_v2", quantized=False)
+    path = write_moe_gguf(model, ARCHITECTURES["deepseek_v2"], tmp_path / "whole_kv_b.gguf", whole_kv_b=True)
+    names = {t.name for t in GGUFReader(path).tensors}
+    assert "blk.0.attn_kv_b.weight" in names and "blk.0.attn_k_b.weight" not in names
+    _check_gguf("deepseek_v2", path, model, False, greedy_comparison, dequantized)
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_BYTES, key=lambda t: t.value), ids=lambda t: t.name)

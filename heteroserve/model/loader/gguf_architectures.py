@@ -359,8 +359,13 @@ def _deepseek2(meta: Metadata) -> dict:
     experts.check_layers(list(range(dense, layers)), f"DeepSeek (after {dense} dense ones)")
     rope_dim = meta.get("rope.dimension_count", None)
     key_mla, value_mla = meta.get("attention.key_length_mla", None), meta.get("attention.value_length_mla", None)
-    if key_mla is None:  # converters before the `*_mla` keys wrote the heads' sizes as key and value lengths
+    if key_mla is None and meta.has_tensor("attn_kv_b.weight"):  # converters before the split kv_b and `*_mla` keys
         key_mla, value_mla = meta.get("attention.key_length", None), meta.get("attention.value_length", None)
+    required = {"rope.dimension_count": rope_dim, "attention.kv_lora_rank": meta.get("attention.kv_lora_rank", None)}
+    required |= {"attention.key_length_mla": key_mla, "attention.value_length_mla": value_mla}
+    missing = [key for key, value in required.items() if value is None]
+    if missing:
+        raise ValueError(f"GGUF deepseek2 file without {', '.join('deepseek2.' + key for key in missing)}")
     groups = meta.get("expert_group_count", 1)
     rope = {k: v for k, v in meta.common["rope_parameters"].items() if k != "partial_rotary_factor"}
     if rope["rope_type"] == "yarn":
@@ -374,7 +379,7 @@ def _deepseek2(meta: Metadata) -> dict:
         "num_key_value_heads": meta.common["num_attention_heads"],  # the latent serves every head
         "head_dim": rope_dim,
         "q_lora_rank": meta.get("attention.q_lora_rank", None),
-        "kv_lora_rank": meta.get("attention.kv_lora_rank", None),
+        "kv_lora_rank": required["attention.kv_lora_rank"],
         "qk_rope_head_dim": rope_dim,
         "qk_nope_head_dim": key_mla - rope_dim,
         "v_head_dim": value_mla,
