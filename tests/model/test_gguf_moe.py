@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFReader, GGUFWriter, get_tensor_name_map
-from gguf.quants import dequantize, quantize
+from gguf.quants import QuantError, dequantize, quantize
 
 from heteroserve import LLM
 from heteroserve.model.loader import gguf_loader
@@ -310,14 +310,15 @@ def round_trip(model, qtype: GGMLQuantizationType) -> None:
 
 def _round_trip_kv_b(param: torch.Tensor, cfg, qtype: GGMLQuantizationType) -> None:
     """attn_k_b holds each head's key rows transposed (rows of qk_nope_head_dim values), attn_v_b its value rows:
-    each half through `qtype`, or float16 where its rows are not whole blocks (the converter's fallback)."""
+    each half through `qtype`, or float16 where its rows are not whole blocks (the converter's fallback, as
+    write_tensors takes it)."""
     heads, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
     kv_b = param.detach().view(heads, nope + cfg.v_head_dim, -1)
     for part in (kv_b[:, :nope].transpose(1, 2), kv_b[:, nope:]):
         values = part.numpy().copy()
-        if values.shape[-1] % 32 == 0:
+        try:
             rounded = dequantize(quantize(values, qtype), qtype).reshape(values.shape)
-        else:
+        except QuantError:
             rounded = values.astype(np.float16).astype(np.float32)
         part.copy_(torch.from_numpy(np.array(rounded, dtype=np.float32)))
 

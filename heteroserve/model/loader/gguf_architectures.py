@@ -91,11 +91,11 @@ _DEEPSEEK2_LAYER = {
     "attn_q_b": "self_attn.q_b_proj",
     "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
     "attn_kv_a_norm": "self_attn.kv_a_layernorm",
-    "attn_kv_b": "self_attn.kv_b_proj",  # older converters' (newer ones split it: LATENT_KV_B)
+    "attn_kv_b": "self_attn.kv_b_proj",  # older converters' (newer ones split it: LATENT_KEYS, LATENT_VALUES)
 }
 # llama.cpp's per-head halves of latent attention's kv_b_proj: keys [heads, kv_lora_rank, nope] and values
-# [heads, v, kv_lora_rank] (torch order), joined back into kv_b_proj by gguf_loader.py.
-LATENT_KV_B = ("attn_k_b", "attn_v_b", "self_attn.kv_b_proj")
+# [heads, v, kv_lora_rank] (torch order), joined back by gguf_loader.py into what attn_kv_b names.
+LATENT_KEYS, LATENT_VALUES, LATENT_KV_B = "attn_k_b", "attn_v_b", "attn_kv_b"
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # llama.cpp's expert stacks -> the projections of each expert they hold, in row order.
 EXPERT_STACKS = {

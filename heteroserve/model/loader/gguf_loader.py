@@ -24,7 +24,9 @@ from heteroserve.model.loader.gguf_architectures import (
     CORRECTION_BIAS,
     EXPERT_STACKS,
     GLOBAL_TENSORS,
+    LATENT_KEYS,
     LATENT_KV_B,
+    LATENT_VALUES,
     GGUFArchitecture,
     Metadata,
     gguf_architecture,
@@ -219,13 +221,13 @@ def iterate_gguf(
         if kind in EXPERT_STACKS:
             yield from _experts(tensor, block, EXPERT_STACKS[kind], keep_quantized)
             continue
-        if kind == LATENT_KV_B[0]:  # with its attn_v_b, which is skipped below
-            values = tensors.get(tensor.name.replace(LATENT_KV_B[0], LATENT_KV_B[1]))
+        if kind == LATENT_KEYS:  # with its values' half, which is skipped below
+            values = tensors.get(tensor.name.replace(LATENT_KEYS, LATENT_VALUES))
             if values is None:
-                raise ValueError(f"GGUF tensor {tensor.name!r} has no {LATENT_KV_B[1]} beside it")
-            yield f"model.layers.{block}.{LATENT_KV_B[2]}.weight", _joined_kv_b(tensor, values)
+                raise ValueError(f"GGUF tensor {tensor.name!r} has no {LATENT_VALUES} beside it")
+            yield _hf_name(f"blk.{block}.{LATENT_KV_B}.weight", arch), _joined_kv_b(tensor, values)
             continue
-        if kind == LATENT_KV_B[1]:
+        if kind == LATENT_VALUES:
             continue
         name = _hf_name(tensor.name, arch)
         value = _load(tensor, keep_quantized)

@@ -41,6 +41,13 @@ __attribute__((optimize("fp-contract=off"))) void add_weighted(float* to, const 
   }
 }
 
+// order := the indices of `value` with its best k first, in descending value, the lower index first among equals.
+void best_first(std::vector<int64_t>& order, int64_t k, const std::vector<float>& value) {
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&](int64_t a, int64_t b) { return value[a] > value[b] || (value[a] == value[b] && a < b); });
+}
+
 }  // namespace
 
 namespace heteroserve {
@@ -96,20 +103,13 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tens
         }
         group_score[g] = group_by_max ? best : best + second;
       }
-      // The best top_groups groups, the lower index first among equals; the others' experts cannot be chosen.
-      std::iota(group_order.begin(), group_order.end(), 0);
-      std::partial_sort(group_order.begin(), group_order.begin() + top_groups, group_order.end(),
-                        [&](int64_t a, int64_t b) {
-                          return group_score[a] > group_score[b] || (group_score[a] == group_score[b] && a < b);
-                        });
+      // The best top_groups groups; the others' experts cannot be chosen.
+      best_first(group_order, top_groups, group_score);
       for (int64_t i = top_groups; i < num_groups; ++i) {
         std::fill_n(choice.begin() + group_order[i] * group_size, group_size, -INFINITY);
       }
     }
-    // The best top_k by choice, the lower index first among equals.
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
-                      [&](int64_t a, int64_t b) { return choice[a] > choice[b] || (choice[a] == choice[b] && a < b); });
+    best_first(order, top_k, choice);  // the best top_k by choice
     float chosen = 0.f;
     for (int64_t i = 0; i < top_k; ++i) chosen += score[order[i]];
     const float divisor = renormalize ? std::max(chosen, 1e-20f) : 1.f;
