@@ -459,6 +459,20 @@ def _check_gguf(case, path: Path, model, quantized: bool, comparison, dequantize
         check_output(f"{label}[{i}]", output, prompt, reference, comparison)
 
 
+@pytest.mark.parametrize(
+    "key, value",
+    [("attention.temperature_scale", 0.1), ("rope.scaling.yarn_attn_factor", 1.2), ("expert_gating_func", 3)],
+)
+def test_deepseek_metadata_we_cannot_honour_is_named(key, value, tmp_path):
+    """A deepseek2 file's keys that would change its answers and that we do not implement are refused by name."""
+    model, _ = _build("deepseek_v3", quantized=False)
+    arch = ARCHITECTURES["deepseek_v3"]
+    keys = {**arch.keys, key: lambda cfg: value}
+    path = write_moe_gguf(model, dataclasses.replace(arch, keys=keys), tmp_path / "tweaked.gguf")
+    with pytest.raises(ValueError, match=re.escape(f"deepseek2.{key}")):
+        _llm(path, compressed=False)
+
+
 def test_deepseek_files_before_the_split_kv_b(tmp_path, greedy_comparison, dequantized):
     """A DeepSeek-V2 file as converters wrote them before kv_b_proj was split per head: one attn_kv_b, the heads'
     sizes as key and value lengths and no `*_mla` keys, against transformers."""

@@ -40,6 +40,9 @@ _REFUSED_KEYS = {
     "rope.dimension_sections": "M-RoPE sections",
     "rope.scaling.yarn_ext_factor": "a YaRN extrapolation factor",
     "rope.scaling.yarn_attn_factor": "a YaRN attention factor",
+    "rope.scaling.attn_factor": "a rotary attention factor",
+    "attention.temperature_scale": "attention temperature scaling (Mistral Large 3's deepseek2 files)",
+    "expert_group_scale": "a per-group expert scale",
 }
 # llama.cpp's per-frequency divisors of the rotary (the Llama 3 scaling, as its converter writes it).
 ROPE_FREQS = "rope_freqs.weight"
