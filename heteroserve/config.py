@@ -142,30 +142,64 @@ class SchedulerConfig:
             )
 
 
+SELF_INT4 = "self-int4"  # a draft model spelled as the served checkpoint's own 4-bit copy
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding by n-gram lookup (vLLM's `{"method": "ngram", ...}`): the tokens that followed the
-    latest earlier occurrence of a greedy request's last n tokens are proposed, and one forward pass checks them
-    all. It pays where decoding streams the weights for a few tokens (one request, a few on a CPU or a GPU) and
-    text repeats its context (code edits, retrieval answers, quoting); outputs stay those of plain greedy decoding."""
+    """Speculative decoding, vLLM's `speculative_config`. Drafts for a greedy request come from an n-gram lookup
+    (`{"method": "ngram", ...}`: the tokens that followed the latest earlier occurrence of the request's last n
+    tokens) or from a smaller model with the same tokenizer (`{"model": path, ...}`, method "draft_model"; the
+    model "self-int4" is the served checkpoint's own 4-bit copy). One forward pass of the served model checks a
+    step's drafts; outputs stay those of plain greedy decoding. It pays where decoding streams the weights for a
+    few tokens (one request, a few on a CPU or a GPU): n-gram drafts where text repeats its context, a draft
+    model wherever it agrees with the served one.
 
-    method: str = "ngram"
+    quantization: the draft model's (None: what its checkpoint has; self-int4 implies int4)."""
+
+    method: str | None = None  # None: "draft_model" where a model is given, else "ngram"
     num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
+    prompt_lookup_max: int | None = None  # ngram only (default 4)
+    prompt_lookup_min: int | None = None  # ngram only (default 1)
+    model: str | None = None  # draft_model only
+    quantization: str | None = None  # draft_model only
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(
-                f"speculative method must be 'ngram' (the only one without a draft model), got {self.method!r}"
-            )
+        if self.method is None:
+            self.method = "draft_model" if self.model is not None else "ngram"
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+        if self.method == "ngram":
+            if self.model is not None or self.quantization is not None:
+                given = "model" if self.model is not None else "quantization"
+                raise ValueError(f"speculative_config {given} is for method draft_model; ngram drafts use no model")
+            self.prompt_lookup_max = 4 if self.prompt_lookup_max is None else self.prompt_lookup_max
+            self.prompt_lookup_min = 1 if self.prompt_lookup_min is None else self.prompt_lookup_min
+            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+                raise ValueError(
+                    f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
+                    f"{self.prompt_lookup_max}"
+                )
+            return
+        if self.model is None:
+            raise ValueError('speculative method draft_model needs a "model" (a checkpoint, or "self-int4")')
+        if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+            raise ValueError("speculative_config prompt_lookup_max / prompt_lookup_min are for method ngram")
+        if self.quantization not in QUANTIZATIONS:
+            names = ", ".join(q for q in QUANTIZATIONS if q)
+            raise ValueError(f"speculative_config quantization must be one of {names}, got {self.quantization!r}")
+        if self.model == SELF_INT4 and self.quantization not in (None, "int4"):
             raise ValueError(
-                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
-                f"{self.prompt_lookup_max}"
+                f"speculative model self-int4 is the 4-bit copy; quantization {self.quantization} contradicts it"
             )
+
+    @property
+    def lookahead_slots(self) -> int:
+        """KV slots a request needs past its scheduled tokens: a draft model writes its drafts' keys there."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
     @classmethod
     def from_dict(cls, values: dict) -> SpeculativeConfig:

@@ -10,6 +10,9 @@ one more waits, keeping its place, while later requests of the running adapters 
 When KV blocks run out, the least urgent running request is preempted: its blocks are freed and it is
 recomputed later from its tokens so far. With speculative decoding, a decoding request also computes its draft
 tokens in the step; the drafts the model confirms are kept and the KV slots of the rest are written over later.
+Drafts come from the n-gram proposer here, or from a draft model that runs beside the model (`lookahead_slots`:
+a request that may draft holds that many slots past its step's tokens, where the draft model writes its own
+drafts' keys).
 """
 
 from __future__ import annotations
@@ -89,11 +92,18 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache: KVCacheManager, proposer: NgramProposer | None = None
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        proposer: NgramProposer | None = None,
+        lookahead_slots: int = 0,
     ) -> None:
+        """proposer: n-gram drafts; lookahead_slots: with a draft model, the drafts it may write per request
+        (its drafts arrive with the step's results instead)."""
         self.config = config
         self.kv_cache = kv_cache
         self.proposer = proposer
+        self.lookahead_slots = lookahead_slots
         self.policy = POLICIES[config.policy]()
         self.prefill_limit = PrefillLimit(config.max_prefill_tokens_per_step)
         self.waiting = RequestQueue(self.policy)
@@ -141,7 +151,7 @@ class Scheduler:
                     continue
             drafts = request.draft_token_ids[: budget - 1] if num_new == 1 else []
             num_new += len(drafts)
-            while not self.kv_cache.allocate_slots(request, num_new):
+            while not self.kv_cache.allocate_slots(request, num_new + self._lookahead(request, num_new)):
                 victim = max(self.running, key=self.waiting.key_of)
                 preempt(victim)
                 if victim is request:
@@ -176,7 +186,8 @@ class Scheduler:
             num_new = self.prefill_limit.allowance(min(num_new, budget), whole)
             if num_new == 0:
                 break
-            if not self.kv_cache.allocate_slots(request, num_new, cached_blocks):
+            lookahead = self._lookahead(request, num_new, num_cached)
+            if not self.kv_cache.allocate_slots(request, num_new + lookahead, cached_blocks):
                 victim = self._victim_for(request)
                 if victim is None:
                     break
@@ -205,9 +216,12 @@ class Scheduler:
             self.step_token_counts[num_tokens] = self.step_token_counts.get(num_tokens, 0) + 1
         return SchedulerOutput(list(scheduled.values()), preempted)
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, list[int]], drafted: dict[str, list[int]] | None = None
+    ) -> list[Request]:
         """Advances computed tokens, appends sampled tokens (the confirmed drafts, then the model's own next
-        token), finishes requests that hit a stop rule, and proposes the next drafts."""
+        token), finishes requests that hit a stop rule, and takes the next drafts: the n-gram proposer's, or the
+        draft model's (`drafted`, request id -> tokens after the sampled ones)."""
         finished = []
         now = time.time()
         for item in output.scheduled:
@@ -240,23 +254,38 @@ class Scheduler:
             if status is not None:
                 self.finish_request(request.request_id, status)
                 finished.append(request)
-        if self.proposer is not None:
+        if self.proposer is not None or drafted is not None:
             for request in self.running:
-                request.draft_token_ids = self._propose(request)
+                request.draft_token_ids = self._propose(request, drafted)
         return finished
 
-    def _propose(self, request: Request) -> list[int]:
-        """Drafts for a greedy request that is decoding, short enough that every token they could add is one the
-        request may still produce. Requests under a grammar take none: each draft row would need a mask of the
-        grammar advanced past the drafts before it."""
+    @staticmethod
+    def may_draft(request: Request) -> bool:
+        """Whether drafts are checked for the request: greedy ones only (a draft is confirmed when it equals the
+        model's own choice), and none under a grammar (each draft row would need a mask of the grammar advanced
+        past the drafts before it)."""
         params = request.sampling_params
-        if not params.greedy or params.structured_outputs is not None:
+        return params.greedy and params.structured_outputs is None and request.pooling_params is None
+
+    def _lookahead(self, request: Request, num_new: int, num_cached: int | None = None) -> int:
+        """Slots past a step's `num_new` tokens where a draft model writes the request's drafts: up to
+        `lookahead_slots`, never past max_model_len."""
+        if not self.lookahead_slots or not self.may_draft(request):
+            return 0
+        end = (request.num_computed_tokens if num_cached is None else num_cached) + num_new
+        return max(0, min(self.lookahead_slots, self.config.max_model_len - end))
+
+    def _propose(self, request: Request, drafted: dict[str, list[int]] | None) -> list[int]:
+        """Drafts for a request that may take them and is decoding, short enough that every token they could add
+        is one the request may still produce."""
+        if not self.may_draft(request) or request.num_tokens - request.num_computed_tokens != 1:
             return []
-        if request.num_tokens - request.num_computed_tokens != 1:
-            return []
+        params = request.sampling_params
         limit = self.config.max_model_len - request.num_tokens - 1
         if params.max_tokens is not None:
             limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
+        if drafted is not None:
+            return drafted.get(request.request_id, [])[: max(limit, 0)]
         return self.proposer.propose(request, limit)
 
     def stop_at(self, request: Request, num_tokens: int) -> None:

@@ -156,7 +156,9 @@ class EngineArgs:
     speculative_config: dict | None = _setting(
         None,
         'speculative decoding for greedy requests, as vLLM: \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (drafts looked up in the request\'s own tokens)',
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}\' (drafts looked up in the request\'s own tokens), or '
+        '\'{"model": PATH, "num_speculative_tokens": 4}\' (a draft model with the same tokenizer; "self-int4": '
+        "the served float model's own 4-bit copy)",
         parse=_speculative_config,
     )
     enable_lora: bool = _setting(False, "serve LoRA adapters on the base model (--lora-modules, LoRARequest)")

@@ -44,8 +44,10 @@ class LLMEngine:
         # A pooling request's hidden states are all needed (and an encoder's keys are bidirectional): no prefix reuse.
         prefix_caching = config.cache.enable_prefix_caching and not pooling
         kv_cache = KVCacheGroups(info.kv_groups, config.cache.block_size, prefix_caching)
-        proposer = NgramProposer(config.speculative) if config.speculative is not None else None
-        self.scheduler = Scheduler(config.scheduler, kv_cache, proposer)
+        speculative = config.speculative
+        proposer = NgramProposer(speculative) if speculative is not None and speculative.method == "ngram" else None
+        lookahead = speculative.lookahead_slots if speculative is not None else 0
+        self.scheduler = Scheduler(config.scheduler, kv_cache, proposer, lookahead)
         self.processor = InputProcessor(config, info)
         self.outputs = OutputProcessor(info.tokenizer)
         self._children: dict[str, list[str]] = {}  # user request id -> engine request ids (n > 1)
@@ -219,7 +221,11 @@ class LLMEngine:
             scheduled.token_bitmasks = self._structured.start_bitmasks(sampling)
         results = self.executor.execute(scheduled)
         known = {item.request.request_id: item.request.num_tokens for item in scheduled.scheduled}
-        self.scheduler.update_from_output(scheduled, {rid: r.token_ids for rid, r in results.items() if r.token_ids})
+        sampled = {rid: r.token_ids for rid, r in results.items() if r.token_ids}
+        drafted = None
+        if self.scheduler.lookahead_slots:  # the draft model's proposals came with the results
+            drafted = {rid: r.draft_token_ids for rid, r in results.items() if r.draft_token_ids}
+        self.scheduler.update_from_output(scheduled, sampled, drafted)
         for item in scheduled.scheduled:
             request = item.request
             rid = request.request_id

@@ -22,6 +22,7 @@ from heteroserve.platforms import Platform
 from heteroserve.platforms.attention import AttentionStep
 from heteroserve.platforms.graph_capture import GraphCapture
 from heteroserve.worker.decode_graphs import DecodeGraphs, StepRequest
+from heteroserve.worker.draft_model import DraftModel
 from heteroserve.worker.image_inputs import ImageInputs
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class StepResult:
     token_ids: list[int] = field(default_factory=list)  # sampled: confirmed drafts, then the model's next token
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # one per token (None: not asked for)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for tokens start+1 .. in order
+    draft_token_ids: list[int] = field(default_factory=list)  # a draft model's proposals after token_ids
     pooled: torch.Tensor | None = None  # a pooling model's result: an embedding or scores (float32, CPU)
 
 
@@ -68,11 +70,14 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         enforce_eager: bool = False,
+        draft: DraftModel | None = None,
     ) -> None:
         """max_num_batched_tokens: the scheduler's step budget, which a sliding window's KV group is sized by;
         max_num_seqs: the most requests running at once, which bounds what the KV cache can be asked to hold;
-        enforce_eager: no graphs even where the platform has them."""
+        enforce_eager: no graphs even where the platform has them; draft: speculative decoding's draft model,
+        whose cache shares the full-attention blocks (and the budget)."""
         self.model = loaded.model
+        self.draft = draft
         self.arch = loaded.model.arch
         self.platform = platform
         self.device = platform.device
@@ -127,6 +132,8 @@ class ModelRunner:
             for layers, group in zip(self.group_layers, self.kv_groups, strict=True)
         ]
         self.kv_cache = self.kv_caches[0]  # likewise
+        if draft is not None:
+            draft.allocate(platform, self.kv_groups[0].num_blocks, self.block_size)
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = [None] * self.arch.num_layers
         for layers, cache in zip(self.group_layers, self.kv_caches, strict=True):
             for j, i in enumerate(layers):
@@ -198,8 +205,9 @@ class ModelRunner:
         ]
 
     def _request_bytes(self, needs: list[int]) -> int:
-        """Bytes one request of max_model_len takes over every group."""
-        return sum(n * self.bytes_per_block(len(layers)) for n, layers in zip(needs, self.group_layers, strict=True))
+        """Bytes one request of max_model_len takes over every group (and in the draft model's cache)."""
+        total = sum(n * self.bytes_per_block(len(layers)) for n, layers in zip(needs, self.group_layers, strict=True))
+        return total + (needs[0] * self.draft.bytes_per_block(self.block_size) if self.draft is not None else 0)
 
     def _size_groups(
         self, requests: float | None, num_kv_blocks: int | None, needs: list[int], max_model_len: int
@@ -271,7 +279,12 @@ class ModelRunner:
             return {}
         if self.pooler is not None:
             return pool_step(self.pooler, items, hidden)
-        return self._sample(items, hidden, output)
+        results = self._sample(items, hidden, output)
+        if self.draft is not None:
+            sampled = {rid: result.token_ids for rid, result in results.items()}
+            for rid, drafts in self.draft.propose(items, sampled).items():
+                results[rid].draft_token_ids = drafts
+        return results
 
     def _sample(
         self, items: list[ScheduledRequest], hidden: torch.Tensor, output: SchedulerOutput

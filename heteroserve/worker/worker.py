@@ -22,8 +22,9 @@ from heteroserve.model.loader import load_model
 from heteroserve.model.sharding import check_tensor_parallel
 from heteroserve.platforms import Platform, resolve_platform
 from heteroserve.platforms.plugins import load_class
+from heteroserve.worker.draft_model import DraftModel, load_draft_model
 from heteroserve.worker.encoder_runner import EncoderRunner
-from heteroserve.worker.model_runner import ModelRunner, StepResult
+from heteroserve.worker.model_runner import ModelRunner, StepResult, kv_cache_dtype
 from heteroserve.worker.step_wire import StepDecoder, WireStep
 
 
@@ -83,6 +84,17 @@ class Worker:
             self.runner = EncoderRunner(loaded, self.platform, config.cache, config.scheduler)
             vocab_size = loaded.model.arch.vocab_size
         else:
+            draft = None
+            speculative = config.speculative
+            if speculative is not None and speculative.method == "draft_model" and self.groups.samples:
+                # Only the sampling rank drafts: the drafts reach every rank with the next step.
+                draft_loaded = load_draft_model(config, loaded, self.platform)
+                draft = DraftModel(
+                    draft_loaded,
+                    kv_cache_dtype(config.cache.kv_cache_dtype, draft_loaded.dtype),
+                    speculative.num_speculative_tokens,
+                    loaded.model.shard.full_arch.vocab_size,
+                )
             self.runner = model_runner_class(self.platform)(
                 loaded,
                 self.platform,
@@ -92,6 +104,7 @@ class Worker:
                 config.scheduler.max_num_batched_tokens,
                 config.scheduler.max_num_seqs,
                 config.device.enforce_eager,
+                draft,
             )
             vocab_size = loaded.model.shard.full_arch.vocab_size
         kv_groups, weight_bytes = self._agree(self.runner.kv_groups, loaded.model.weight_bytes())

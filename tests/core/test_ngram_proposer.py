@@ -71,7 +71,7 @@ def test_the_index_follows_appended_tokens_and_is_forgotten() -> None:
 @pytest.mark.parametrize(
     "values,message",
     [
-        ({"method": "eagle"}, "must be 'ngram'"),
+        ({"method": "eagle"}, "must be one of ngram, draft_model"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max"),
         ({"draft_model": "x"}, "unknown speculative_config keys: draft_model"),

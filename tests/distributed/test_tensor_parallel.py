@@ -114,6 +114,23 @@ def test_pipeline_parallel_2_matches_transformers(qwen2, greedy_comparison):
     _check_against_transformers(qwen2, greedy_comparison, "qwen2 pp=2", pipeline_parallel_size=2)
 
 
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_draft_model_speculation_over_two_ranks(parallel, qwen2, greedy_comparison):
+    """The draft model (here the checkpoint itself, so every draft must be confirmed) runs on the sampling rank
+    only; its drafts reach the other rank with the next step."""
+    llm = qwen2.llm(**{parallel: 2}, speculative_config={"model": str(qwen2.folder), "num_speculative_tokens": 3})
+    try:
+        token_prompts = prompts(7, LENGTHS, qwen2.vocab_size)
+        outputs = run(llm, token_prompts, greedy_params(qwen2.vocab_size, max_tokens=NEW_TOKENS))
+        for i, (output, prompt) in enumerate(zip(outputs, token_prompts, strict=True)):
+            label = f"qwen2 {parallel}=2 draft[{i}]"
+            check_output(label, output, prompt, qwen2.reference, greedy_comparison, max_tokens=NEW_TOKENS)
+        stats = llm.engine.stats()
+        assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens == stats.spec_draft_tokens
+    finally:
+        llm.shutdown()
+
+
 def test_heads_not_divisible_is_a_clear_error(qwen2):
     expected = (
         r"num_attention_heads=4 is not divisible by tensor_parallel_size=3.*sizes that work for this model: \[1, 2, 4\]"

@@ -100,5 +100,26 @@ def test_sampled_requests_are_not_speculated(speculative_llm, prompt_ids):
 
 
 def test_bad_speculative_config_is_an_error():
-    with pytest.raises(ValueError, match="unknown speculative_config keys: model"):
-        LLM(**ENGINE_KWARGS, speculative_config={"method": "ngram", "model": "draft"})
+    with pytest.raises(ValueError, match="unknown speculative_config keys: draft_tensor_parallel_size"):
+        LLM(**ENGINE_KWARGS, speculative_config={"method": "ngram", "draft_tensor_parallel_size": 1})
+
+
+def test_self_int4_draft_gives_the_float_models_tokens(prompt_ids, default_llm, hf_default, greedy_comparison):
+    """The default model served in float32, drafted by its own Q4_1 blocks: the float model's greedy tokens and
+    logprobs (against transformers and against plain decoding), most drafts confirmed (the float weights are the
+    Q4_1 values dequantised, so the two differ only by the 4-bit kernel's arithmetic)."""
+    llm = LLM(**ENGINE_KWARGS, speculative_config={"model": "self-int4", "num_speculative_tokens": 4})
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=1)
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    plain = default_llm.generate(prompts, params, use_tqdm=False)
+    for i, (prompt, output, expected) in enumerate(zip(prompt_ids, outputs, plain, strict=True)):
+        ours = output.outputs[0]
+        greedy_comparison.check(f"self-int4[{i}]", ours.token_ids, hf_default.greedy(prompt, 32))
+        assert ours.token_ids == expected.outputs[0].token_ids
+        for mine, theirs in zip(ours.logprobs, expected.outputs[0].logprobs, strict=True):
+            token = next(iter(theirs))
+            assert abs(mine[token].logprob - theirs[token].logprob) < 1e-4
+    stats = llm.engine.stats()
+    print(f"self-int4: {stats.spec_accepted_tokens} of {stats.spec_draft_tokens} drafts confirmed")
+    assert stats.spec_accepted_tokens > 0.8 * stats.spec_draft_tokens

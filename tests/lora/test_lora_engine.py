@@ -102,11 +102,13 @@ def test_prefix_cache_is_keyed_by_adapter(base, adapters, comparison):
             assert hits == 0, f"{choice and choice.request.lora_name}: read {hits} cached tokens of another adapter"
 
 
-def test_speculative_decoding_under_an_adapter(base, adapters, comparison):
-    llm = base.llm(
-        enable_lora=True,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
-    )
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_under_an_adapter(method, base, adapters, comparison):
+    """n-gram drafts, or the base model without the adapter as the draft model."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    if method == "draft_model":
+        spec = {"model": str(base.folder), "num_speculative_tokens": 3}
+    llm = base.llm(enable_lora=True, speculative_config=spec)
     repetitive = [prompts(14, [6])[0] * 4, prompts(15, [5])[0] * 5]
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in repetitive],

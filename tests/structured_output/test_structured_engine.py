@@ -108,8 +108,16 @@ def test_preemption_and_prefix_caching_keep_the_grammar():
     assert llm.engine.scheduler.kv_cache.usage == 0
 
 
-def test_structured_requests_take_no_drafts_next_to_speculative_ones():
-    llm = LLM(**ENGINE_KWARGS, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+@pytest.mark.parametrize(
+    ("quantization", "speculative"),
+    [
+        (None, {"method": "ngram", "num_speculative_tokens": 4}),
+        ("none", {"model": "self-int4", "num_speculative_tokens": 4}),  # the float model, its Q4_1 blocks drafting
+    ],
+    ids=["ngram", "self-int4"],
+)
+def test_structured_requests_take_no_drafts_next_to_speculative_ones(quantization, speculative):
+    llm = LLM(**ENGINE_KWARGS, quantization=quantization, speculative_config=speculative)
     repeating = " ".join(["Paged attention stores the key value cache in fixed size blocks."] * 4)
     params = [structured("json", PERSON, temperature=0, max_tokens=120), SamplingParams(temperature=0, max_tokens=48)]
     outputs = llm.generate([repeating, repeating], params, use_tqdm=False)

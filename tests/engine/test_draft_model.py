@@ -1,0 +1,183 @@
+"""Speculative decoding with a draft model on tiny random models: the served model's greedy tokens and logprobs
+(against transformers and against plain decoding of the same engine settings) whatever the draft, with chunked
+prefill, prefix caching, preemption and sampled requests beside greedy ones; the draft's own cache checked by a
+draft that is the served checkpoint itself, whose every draft must be confirmed.
+
+Three drafts: the served checkpoint itself (every draft confirmed: its cache on the shared blocks must hold what
+the served model's does), its int4 copy (`self-int4`: some confirmed, some not) and an unrelated tiny Llama of
+another shape (almost none confirmed: the rejection path)."""
+
+from __future__ import annotations
+
+import pytest
+
+from heteroserve import LLM, SamplingParams
+from tests.model.tiny_models import (
+    TinyModel,
+    build_hf_model,
+    check_output,
+    greedy_params,
+    prompts,
+    run,
+    save_tiny,
+)
+
+NEW_TOKENS = 24
+K = 4
+# Prompts over several 16-token blocks, two sharing a 32-token prefix (prefix caching), chunked by the budget.
+SETTINGS = {"max_num_batched_tokens": 40, "num_kv_blocks": 64}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> TinyModel:
+    return save_tiny("qwen2", tmp_path_factory.mktemp("draft"))
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory) -> str:
+    """A Llama of another shape (one layer, hidden 32, one KV head) over the same 320-token vocabulary."""
+    folder = tmp_path_factory.mktemp("draft") / "other"
+    overrides = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1}
+    build_hf_model("llama", overrides, seed=11).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def token_prompts(served) -> list[list[int]]:
+    lengths = [5, 70, 17, 33, 9, 48]
+    batch = prompts(21, lengths, served.vocab_size)
+    batch[3] = batch[1][:32] + batch[3][:1]  # the first two blocks of prompt 1, then its own token
+    return batch
+
+
+@pytest.fixture(scope="module")
+def plain(served) -> LLM:
+    return served.llm(**SETTINGS)
+
+
+def _draft(name: str, served: TinyModel, other_draft: str) -> str:
+    return {"itself": str(served.folder), "self-int4": "self-int4", "other": other_draft}[name]
+
+
+@pytest.mark.parametrize("draft", ["itself", "self-int4", "other"])
+def test_tokens_and_logprobs_are_the_served_models(draft, served, other_draft, token_prompts, plain, greedy_comparison):
+    spec = {"model": _draft(draft, served, other_draft), "num_speculative_tokens": K}
+    llm = served.llm(**SETTINGS, speculative_config=spec)
+    params = greedy_params(served.vocab_size, prompt_logprobs=False, max_tokens=NEW_TOKENS)
+    outputs = run(llm, token_prompts, params)
+    expected = run(plain, token_prompts, params)
+    for i, (output, prompt) in enumerate(zip(outputs, token_prompts, strict=True)):
+        check_output(
+            f"draft {draft}[{i}]",
+            output,
+            prompt,
+            served.reference,
+            greedy_comparison,
+            max_tokens=NEW_TOKENS,
+            expect_prompt_logprobs=False,
+        )
+        assert output.outputs[0].token_ids == expected[i].outputs[0].token_ids, f"{draft}[{i}] differs from plain"
+    stats = llm.engine.stats()
+    drafted, accepted = stats.spec_draft_tokens, stats.spec_accepted_tokens
+    print(f"draft {draft}: {accepted} of {drafted} drafts confirmed ({accepted / drafted:.0%})")
+    assert stats.prefix_hits >= 32, "prompt 3 should have read prompt 1's two cached blocks"
+    if draft == "itself":
+        assert accepted == drafted, "a draft that is the served model must have every draft confirmed"
+    elif draft == "self-int4":
+        assert 0 < accepted < drafted
+    else:
+        assert accepted < drafted / 4
+    pool = llm.engine.scheduler.kv_cache.managers[0].pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_every_confirmed_draft_saves_a_step(served, token_prompts, plain):
+    llm = served.llm(**SETTINGS, speculative_config={"model": str(served.folder), "num_speculative_tokens": K})
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    runs = []
+    for engine in (plain.engine, llm.engine):
+        accepted_before = engine.stats().spec_accepted_tokens
+        engine.add_request("one", {"prompt_token_ids": token_prompts[2]}, params)
+        steps = 0
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            steps += 1
+        runs.append((steps, outputs[0].outputs[0].token_ids, engine.stats().spec_accepted_tokens - accepted_before))
+    (plain_steps, plain_tokens, _), (spec_steps, spec_tokens, accepted) = runs
+    assert spec_tokens == plain_tokens
+    # The prompt's step gives the first token and its drafts; each later step confirms all K and adds one.
+    assert accepted == NEW_TOKENS - spec_steps
+    assert spec_steps == plain_steps - accepted == -(-(NEW_TOKENS - 1) // (K + 1)) + 1
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),  # max_tokens cuts the drafts
+        SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3, min_tokens=5),  # per-row penalties
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[7, 19, 101, 250]),  # a stop inside the drafts
+        SamplingParams(temperature=0.8, seed=5, max_tokens=12),  # sampled: no drafts, the same draws
+    ],
+)
+def test_outputs_equal_plain_decoding(params, served, token_prompts, plain):
+    llm = served.llm(**SETTINGS, speculative_config={"model": "self-int4", "num_speculative_tokens": K})
+    for mine, theirs in zip(run(llm, token_prompts, params), run(plain, token_prompts, params), strict=True):
+        a, b = mine.outputs[0], theirs.outputs[0]
+        assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason)
+    if params.temperature > 0:
+        assert llm.engine.stats().spec_draft_tokens == 0
+
+
+def test_preempted_requests_keep_their_tokens(served, other_draft, token_prompts, greedy_comparison):
+    """14 blocks for six requests that need up to 7 each: preemption by recompute rebuilds both caches."""
+    spec = {"model": str(served.folder), "num_speculative_tokens": K}
+    llm = served.llm(max_num_batched_tokens=40, num_kv_blocks=14, speculative_config=spec)
+    outputs = run(llm, token_prompts, greedy_params(served.vocab_size, prompt_logprobs=False, max_tokens=NEW_TOKENS))
+    for i, (output, prompt) in enumerate(zip(outputs, token_prompts, strict=True)):
+        check_output(
+            f"preempted draft[{i}]",
+            output,
+            prompt,
+            served.reference,
+            greedy_comparison,
+            max_tokens=NEW_TOKENS,
+            expect_prompt_logprobs=False,
+        )
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+
+
+def test_drafts_never_pass_max_model_len(served):
+    """A request that ends at max_model_len: its lookahead slots stop there and so do its drafts."""
+    llm = served.llm(
+        max_model_len=40, num_kv_blocks=3, speculative_config={"model": str(served.folder), "num_speculative_tokens": K}
+    )
+    prompt = prompts(3, [29], served.vocab_size)[0]
+    output = run(llm, [prompt], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0].outputs[0]
+    assert len(output.token_ids) == 11 and output.finish_reason == "length"
+
+
+def test_refusals(served, tmp_path):
+    wider = tmp_path / "wider"
+    build_hf_model("llama", {"vocab_size": 384}, seed=1).save_pretrained(wider)
+    with pytest.raises(ValueError, match="has 384 tokens and the served model 320"):
+        served.llm(speculative_config={"model": str(wider)})
+    windowed = save_tiny("mistral", tmp_path)
+    with pytest.raises(ValueError, match="the draft no sliding-window ones"):
+        served.llm(speculative_config={"model": str(windowed.folder)})
+    with pytest.raises(ValueError, match="already runs quantised \\(int4\\)"):
+        served.llm(quantization="int4", speculative_config={"model": "self-int4"})
+    with pytest.raises(ValueError, match="prompt_lookup_max / prompt_lookup_min are for method ngram"):
+        served.llm(speculative_config={"model": "self-int4", "prompt_lookup_max": 3})
+    with pytest.raises(ValueError, match="model is for method draft_model"):
+        served.llm(speculative_config={"method": "ngram", "model": "self-int4"})
+    with pytest.raises(ValueError, match='draft_model needs a "model"'):
+        served.llm(speculative_config={"method": "draft_model"})
+    with pytest.raises(ValueError, match="quantization int8 contradicts it"):
+        served.llm(speculative_config={"model": "self-int4", "quantization": "int8"})
+
+
+def test_self_int4_of_a_gguf_model_served_from_its_blocks_is_refused():
+    with pytest.raises(ValueError, match="already runs from its quantised blocks"):
+        LLM(max_model_len=256, kv_cache_memory_bytes=64 * 1024**2, speculative_config={"model": "self-int4"})
