@@ -261,11 +261,10 @@ class Scheduler:
 
     @staticmethod
     def may_draft(request: Request) -> bool:
-        """Whether drafts are checked for the request: greedy ones only (a draft is confirmed when it equals the
-        model's own choice), and none under a grammar (each draft row would need a mask of the grammar advanced
-        past the drafts before it)."""
-        params = request.sampling_params
-        return params.greedy and params.structured_outputs is None and request.pooling_params is None
+        """Whether drafts are checked for the request: greedy ones (a draft is confirmed when it equals the
+        model's own choice) and sampled ones (speculative sampling keeps the model's distribution), but none under
+        a grammar (each draft row would need a mask of the grammar advanced past the drafts before it)."""
+        return request.sampling_params.structured_outputs is None and request.pooling_params is None
 
     def _lookahead(self, request: Request, num_new: int, num_cached: int | None = None) -> int:
         """Slots past a step's `num_new` tokens where a draft model writes the request's drafts: up to

@@ -1,13 +1,13 @@
 """The draft model of speculative decoding: a smaller model with the served one's tokenizer, or the served
-checkpoint's own 4-bit copy, proposing each greedy request's next tokens for the served model to check.
+checkpoint's own 4-bit copy, proposing each request's next tokens for the served model to check.
 
 Its KV cache lives on the served model's block ids: every block of the pool has a slot in both caches, so the
 scheduler's block tables, prefix cache and preemption serve both, and the pool is sized by their bytes together.
 In each step it first runs over the step's tokens as the served model did (so its cache holds every token the
 served model's does, prompts and prefix-cached blocks included), then drafts: from each drafting request's newest
-token, k greedy tokens in k batched decode passes, each writing its input's keys into the request's lookahead
-slots (allocated by the scheduler past the step's tokens). The keys of drafts the served model rejects are written
-over by a later step, as the served model's are.
+token, k tokens (greedy, or drawn as the request samples) in k batched decode passes, each writing its input's
+keys into the request's lookahead slots (allocated by the scheduler past the step's tokens). The keys of drafts
+the served model rejects are written over by a later step, as the served model's are.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from heteroserve.config import SELF_INT4, EngineConfig, ModelConfig
 from heteroserve.core.scheduler import ScheduledRequest, Scheduler
 from heteroserve.model.decoder import DecoderModel
+from heteroserve.model.layers.sampler import Sampler, SamplingRow
 from heteroserve.model.loader import LoadedModel, load_model
 from heteroserve.platforms import Platform
 from heteroserve.platforms.attention import AttentionStep
@@ -61,7 +63,7 @@ def load_draft_model(config: EngineConfig, target: LoadedModel, platform: Platfo
     _check_draft(draft, target, spec.model)
     logger.info(
         "speculative decoding: draft model %s (%.0f MiB of weights beside the model's %.0f MiB), %d tokens a step; "
-        "greedy requests without a grammar take drafts, sampled and structured ones decode a token a step",
+        "requests under a grammar decode a token a step",
         spec.model,
         draft.model.weight_bytes() / 2**20,
         target.model.weight_bytes() / 2**20,
@@ -120,6 +122,8 @@ class DraftModel:
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # set by allocate
         self.block_size = 0
         self.device = torch.device("cpu")
+        # A sampled request's latest drafts and the distributions [drafts, vocab] they were drawn from.
+        self.distributions: dict[str, tuple[list[int], torch.Tensor]] = {}
 
     @property
     def planes(self) -> int:
@@ -146,9 +150,17 @@ class DraftModel:
         positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self.model(ids, positions, self.layer_caches, meta, None, None)
 
-    def propose(self, items: list[ScheduledRequest], sampled: dict[str, list[int]]) -> dict[str, list[int]]:
-        """Drafts after each greedy request's `sampled` tokens (request id -> drafts), its cache brought up to
-        the step's tokens on the way.
+    def propose(
+        self,
+        items: list[ScheduledRequest],
+        sampled: dict[str, list[int]],
+        sampler: Sampler,
+        sampling_row: Callable[[ScheduledRequest, list[int]], SamplingRow],
+    ) -> dict[str, list[int]]:
+        """Drafts after each drafting request's `sampled` tokens (request id -> drafts), its cache brought up to
+        the step's tokens on the way. A greedy request's drafts are the draft's greedy tokens; a sampled one's are
+        drawn by `sampler` under the request's rules (`sampling_row(item, tokens after its known ones)`), and the
+        distributions they were drawn from are kept in `distributions` for the served model's check.
 
         A request's drafts in this step are the ones this model wrote the keys of in the previous step (all but
         the last), so only the tokens whose keys it lacks are computed: a prompt chunk or a plain decode whole, of
@@ -172,7 +184,7 @@ class DraftModel:
                 missing = [*missing, tokens[-1]]
             if missing:
                 decode = item.decode_rows and len(missing) <= 2
-                rows.append(_DraftRow(item.request.request_id, item.block_ids[0], first, missing, count, decode))
+                rows.append(_DraftRow(item, item.block_ids[0], first, missing, count, decode))
         if not rows:
             return {}
         rows.sort(key=lambda row: not row.decode)
@@ -183,6 +195,7 @@ class DraftModel:
         ends = list(itertools.accumulate(len(row.tokens) for row in rows))
         drafting = [(row, end - 1) for row, end in zip(rows, ends, strict=True) if row.count]
         drafts: dict[str, list[int]] = {row.request_id: [] for row, _ in drafting}
+        distributions: dict[str, list[torch.Tensor]] = {}
         for j in range(max((row.count for row, _ in drafting), default=0)):
             active = [row for row, _ in drafting if row.count > j]
             if j:
@@ -195,8 +208,21 @@ class DraftModel:
             logits = self.model.compute_logits(hidden)
             if logits.shape[-1] != self.vocab_size:
                 logits = logits[:, : self.vocab_size].contiguous()
-            for row, token in zip(active, self.model.ops.argmax_rows(logits).tolist(), strict=True):
+            tokens = self.model.ops.argmax_rows(logits).tolist()
+            drawn = [i for i, row in enumerate(active) if row.sampling]
+            if drawn:
+                rows_of = [
+                    sampling_row(active[i].item, sampled[active[i].request_id] + drafts[active[i].request_id])
+                    for i in drawn
+                ]
+                chosen, probs = sampler.draw_with_distribution(logits[torch.tensor(drawn, device=self.device)], rows_of)
+                for i, token, line in zip(drawn, chosen, probs, strict=True):
+                    tokens[i] = token
+                    distributions.setdefault(active[i].request_id, []).append(line)
+            for row, token in zip(active, tokens, strict=True):
                 drafts[row.request_id].append(token)
+        for request_id, lines in distributions.items():
+            self.distributions[request_id] = (drafts[request_id], torch.stack(lines))
         return drafts
 
 
@@ -204,9 +230,18 @@ class DraftModel:
 class _DraftRow:
     """A request's part of the draft model's first pass."""
 
-    request_id: str
+    item: ScheduledRequest
     block_ids: list[int]
     first: int  # the position of its first token
     tokens: list[int]  # the tokens whose keys the cache lacks, then (when drafting) its newest sampled token
     count: int  # drafts it has room for (0: not drafting)
     decode: bool  # laid out as decode rows
+
+    @property
+    def request_id(self) -> str:
+        return self.item.request.request_id
+
+    @property
+    def sampling(self) -> bool:
+        """Whether its drafts are drawn (a sampled request) rather than the draft's greedy choice."""
+        return not self.item.request.sampling_params.greedy

@@ -146,6 +146,7 @@ class ModelRunner:
             self.lora = LoRAManager(lora_config, self.model.shard, self.dtype, self.device)
         self._seeds = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._draft_generators: dict[str, torch.Generator] = {}  # the draft model's draws for sampled requests
         self.graphs = None
         if capture is not None:
             held = [g for g, layers in enumerate(self.group_layers) if layers]
@@ -235,6 +236,9 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._draft_generators.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.distributions.pop(request_id, None)
         if self.images is not None:
             self.images.release(request_id)
 
@@ -282,7 +286,7 @@ class ModelRunner:
         results = self._sample(items, hidden, output)
         if self.draft is not None:
             sampled = {rid: result.token_ids for rid, result in results.items()}
-            for rid, drafts in self.draft.propose(items, sampled).items():
+            for rid, drafts in self.draft.propose(items, sampled, self.sampler, self._draft_sampling_row).items():
                 results[rid].draft_token_ids = drafts
         return results
 
@@ -317,12 +321,31 @@ class ModelRunner:
                 logits[torch.tensor([r for _, r, _ in sample_rows], device=self.device)] if prompt_rows else logits
             )
             sampling = [self._sampling_row(item, j, output) for item, _, j in sample_rows]
-            tokens, logprobs = self.sampler(sampled, sampling)
-            for (item, _, j), token, entry in zip(sample_rows, tokens, logprobs, strict=True):
-                result = results[item.request.request_id]
-                if len(result.token_ids) == j and (j == 0 or result.token_ids[-1] == item.draft_token_ids[j - 1]):
-                    result.token_ids.append(token)  # draft j-1 was confirmed, so this row's prediction counts
-                    result.logprobs.append(entry)
+            # A sampled request's drafts are checked by speculative sampling over its rows together; a greedy
+            # request's rows are sampled with everything else, each draft confirmed when it is the model's choice.
+            verified = [
+                i
+                for i, (item, _, j) in enumerate(sample_rows)
+                if item.draft_token_ids and not item.request.sampling_params.greedy
+            ]
+            plain = sorted(set(range(len(sample_rows))) - set(verified))
+            if plain:
+                rows_logits = sampled if not verified else sampled[torch.tensor(plain, device=self.device)]
+                tokens, logprobs = self.sampler(rows_logits, [sampling[i] for i in plain])
+                for i, token, entry in zip(plain, tokens, logprobs, strict=True):
+                    item, _, j = sample_rows[i]
+                    result = results[item.request.request_id]
+                    if len(result.token_ids) == j and (j == 0 or result.token_ids[-1] == item.draft_token_ids[j - 1]):
+                        result.token_ids.append(token)  # draft j-1 was confirmed, so this row's prediction counts
+                        result.logprobs.append(entry)
+            for i in verified:
+                item, _, j = sample_rows[i]
+                if j == 0:
+                    span = slice(i, i + len(item.draft_token_ids) + 1)
+                    result = results[item.request.request_id]
+                    result.token_ids, result.logprobs = self.sampler.verify_drafts(
+                        sampled[span], sampling[span], item.draft_token_ids, self._draft_distribution(item)
+                    )
         for item, first, count in prompt_rows:
             request = item.request
             targets = torch.tensor(request.token_ids[item.start + 1 : item.start + 1 + count], device=self.device)
@@ -331,6 +354,29 @@ class ModelRunner:
                 lp, targets, request.sampling_params.prompt_logprobs
             )
         return results
+
+    def _draft_distribution(self, item: ScheduledRequest) -> torch.Tensor | None:
+        """The distributions a sampled request's drafts were drawn from (None: the n-gram proposer's drafts)."""
+        if self.draft is None:
+            return None
+        drafts, probs = self.draft.distributions.pop(item.request.request_id)
+        if drafts[: len(item.draft_token_ids)] != item.draft_token_ids:
+            raise RuntimeError(f"request {item.request.request_id}: its drafts are not the ones the draft model drew")
+        return probs[: len(item.draft_token_ids)]
+
+    def _draft_sampling_row(self, item: ScheduledRequest, tokens: list[int]) -> SamplingRow:
+        """The draft model's view of a sampled request after its known tokens and `tokens` (this step's sampled
+        ones and the drafts so far): the request's rules, drawn with a generator of the draft's own."""
+        request = item.request
+        params = request.sampling_params
+        generator = self._draft_generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator(self.device)
+            seed = params.seed + 1 if params.seed is not None else self._seeds.getrandbits(63)
+            generator.manual_seed(seed)
+            self._draft_generators[request.request_id] = generator
+        stop_ids = params.stop_token_ids + ([] if params.ignore_eos else self.stop_ids)
+        return SamplingRow(params, request.token_ids + tokens, request.num_prompt_tokens, stop_ids, generator)
 
     def _sampling_row(self, item: ScheduledRequest, drafts_before: int, output: SchedulerOutput) -> SamplingRow:
         """The sampler's view of the request at the row after its known tokens and `drafts_before` drafts

@@ -1030,12 +1030,13 @@ def test_a_stop_token_among_confirmed_drafts_ends_the_request_there() -> None:
     assert request.status == RequestStatus.FINISHED_STOPPED
 
 
-def test_sampled_requests_get_no_drafts() -> None:
+def test_requests_under_a_grammar_get_no_drafts() -> None:
+    """Sampled requests take drafts (speculative sampling checks them); a grammar's requests do not."""
     sim = Sim(sampler=periodic, speculative=SpeculativeConfig(num_speculative_tokens=3))
-    sim.add("a", [3, 4, 5, 6] * 3, max_tokens=6, temperature=0.8)
-    sim.run()
-    assert sim.scheduler.num_draft_tokens == 0
-    assert all(n == 1 for record in sim.steps[1:] for _, _, n in record.chunks)
+    sampled = sim.add("a", [3, 4, 5, 6] * 3, max_tokens=6, temperature=0.8)
+    structured = Request("b", [3, 4, 5, 6] * 3, SamplingParams(temperature=0, structured_outputs=object()))
+    assert Scheduler.may_draft(sampled)
+    assert not Scheduler.may_draft(structured)
 
 
 def test_drafts_share_the_token_budget() -> None:

@@ -9,7 +9,10 @@ another shape (almost none confirmed: the rejection path)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
+import torch
 
 from heteroserve import LLM, SamplingParams
 from tests.model.tiny_models import (
@@ -116,7 +119,6 @@ def test_every_confirmed_draft_saves_a_step(served, token_prompts, plain):
         SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),  # max_tokens cuts the drafts
         SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3, min_tokens=5),  # per-row penalties
         SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[7, 19, 101, 250]),  # a stop inside the drafts
-        SamplingParams(temperature=0.8, seed=5, max_tokens=12),  # sampled: no drafts, the same draws
     ],
 )
 def test_outputs_equal_plain_decoding(params, served, token_prompts, plain):
@@ -124,8 +126,83 @@ def test_outputs_equal_plain_decoding(params, served, token_prompts, plain):
     for mine, theirs in zip(run(llm, token_prompts, params), run(plain, token_prompts, params), strict=True):
         a, b = mine.outputs[0], theirs.outputs[0]
         assert (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason)
-    if params.temperature > 0:
-        assert llm.engine.stats().spec_draft_tokens == 0
+
+
+# Sampled continuations: 4 tokens from the 3 likeliest at temperature 0.9, so a continuation is one of 81 paths
+# whose probabilities transformers' logits give exactly.
+SAMPLED_TOKENS, SAMPLED_TOP_K, TEMPERATURE, SAMPLES, SEED_BASE = 4, 3, 0.9, 2400, 5000
+
+
+def _path_probabilities(served: TinyModel, prompt: list[int]) -> dict[tuple[int, ...], float]:
+    """Every continuation of SAMPLED_TOKENS tokens with its probability under plain sampling: at each position
+    softmax over the top SAMPLED_TOP_K of transformers' logits / TEMPERATURE."""
+    paths = {(): 1.0}
+    for _ in range(SAMPLED_TOKENS):
+        longer = {}
+        for path, probability in paths.items():
+            with torch.no_grad():
+                logits = served.reference.model(torch.tensor([prompt + list(path)])).logits[0, -1].double()
+            top = logits.topk(SAMPLED_TOP_K)
+            for token, p in zip(top.indices.tolist(), torch.softmax(top.values / TEMPERATURE, 0).tolist(), strict=True):
+                longer[(*path, token)] = probability * p
+        paths = longer
+    return paths
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"model": "other", "num_speculative_tokens": 3},  # most drafts refused: the residual distribution
+        {"model": "self-int4", "num_speculative_tokens": 3},  # most kept: the last token after them
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},  # one-hot
+        None,  # plain sampling: the test's own calibration
+    ],
+    ids=["other", "self-int4", "ngram", "plain"],
+)
+def test_sampled_requests_keep_the_models_distribution(spec, served, other_draft):
+    """Speculative sampling: SAMPLES seeded continuations against the exact distribution of plain sampling
+    (transformers' logits), by a chi-square test over the 81 paths (cells of expected count under 5 pooled);
+    seeded requests make the verdict the same on every run. Dropping the rejection step (every draft kept) fails
+    it: the other draft's paths are then the draft's."""
+    from scipy.stats import chisquare
+
+    if spec is not None and spec.get("model") == "other":
+        spec = {**spec, "model": other_draft}
+    # The prompt repeats its start with likely continuations of it between, so the n-gram proposer finds earlier
+    # occurrences to draft from (about one a request; its drafts are then mostly refused: the residual path).
+    start = prompts(5, [12], served.vocab_size)[0]
+    likely = _path_probabilities(served, start)
+    prompt = start + [t for path in sorted(likely, key=likely.get)[-6:] for t in path] + start
+    exact = _path_probabilities(served, prompt)
+    llm = served.llm(max_num_seqs=256, num_kv_blocks=512, **({"speculative_config": spec} if spec else {}))
+    batch = [
+        SamplingParams(
+            temperature=TEMPERATURE, top_k=SAMPLED_TOP_K, max_tokens=SAMPLED_TOKENS, ignore_eos=True, seed=seed
+        )
+        for seed in range(SEED_BASE, SEED_BASE + SAMPLES)
+    ]
+    outputs = llm.generate([{"prompt_token_ids": prompt}] * SAMPLES, batch, use_tqdm=False)
+    counts = Counter(tuple(o.outputs[0].token_ids) for o in outputs)
+    assert set(counts) <= set(exact), "a continuation outside the top-k paths"
+    observed, expected, pooled = [], [], [0, 0.0]
+    for path, probability in exact.items():
+        if probability * SAMPLES >= 5:
+            observed.append(counts[path])
+            expected.append(probability * SAMPLES)
+        else:
+            pooled[0] += counts[path]
+            pooled[1] += probability * SAMPLES
+    observed.append(pooled[0])
+    expected.append(pooled[1])
+    p_value = chisquare(observed, expected).pvalue
+    stats = llm.engine.stats()
+    print(
+        f"{spec}: chi-square p={p_value:.3f} over {len(observed)} cells; "
+        f"{stats.spec_accepted_tokens} of {stats.spec_draft_tokens} drafts kept"
+    )
+    if spec is not None:  # the n-gram proposer's drafts come where the prompt's tokens follow: about a third
+        assert stats.spec_draft_tokens > SAMPLES / 4, "the sampled requests took too few drafts to test anything"
+    assert p_value > 1e-3
 
 
 def test_preempted_requests_keep_their_tokens(served, other_draft, token_prompts, greedy_comparison):

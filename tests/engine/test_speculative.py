@@ -89,13 +89,15 @@ def test_outputs_equal_plain_decoding(speculative_llm, default_llm, prompt_ids, 
         assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
 
 
-def test_sampled_requests_are_not_speculated(speculative_llm, prompt_ids):
+def test_sampled_requests_take_drafts_and_keep_their_seed(speculative_llm, prompt_ids):
+    """A seeded sampled request gives the same tokens twice with drafts checked by speculative sampling (that
+    the draws keep the model's distribution: test_draft_model.py's chi-square tests, the n-gram one included)."""
     scheduler = speculative_llm.engine.scheduler
     before = scheduler.num_draft_tokens
-    params = SamplingParams(temperature=0.7, max_tokens=16, seed=3)
-    first = speculative_llm.generate([{"prompt_token_ids": prompt_ids[0]}], params, use_tqdm=False)
-    assert scheduler.num_draft_tokens == before
-    again = speculative_llm.generate([{"prompt_token_ids": prompt_ids[0]}], params, use_tqdm=False)
+    params = SamplingParams(temperature=0.3, max_tokens=32, seed=3)
+    first = speculative_llm.generate([{"prompt_token_ids": prompt_ids[4]}], params, use_tqdm=False)
+    assert scheduler.num_draft_tokens > before
+    again = speculative_llm.generate([{"prompt_token_ids": prompt_ids[4]}], params, use_tqdm=False)
     assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids
 
 

@@ -90,9 +90,7 @@ class Sampler:
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = apply_token_rules(logits, rows)
-        logits = apply_token_bitmasks(logits, rows)
-        logits = self._apply_penalties(logits, rows)
+        logits = self._apply_rules(logits, rows)
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if len(random_rows) == len(rows):
             tokens = self._draw(logits, rows)
@@ -101,16 +99,63 @@ class Sampler:
             if random_rows:
                 index = torch.tensor(random_rows, device=logits.device)
                 tokens[index] = self._draw(logits[index], [rows[i] for i in random_rows])
-        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-        if raw_logprobs is not None:
-            wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-            k = max(rows[i].params.logprobs for i in wanted)
-            index = torch.tensor(wanted, device=logits.device)
-            for i, entry in zip(wanted, logprobs_of(raw_logprobs[index], tokens[index], k), strict=True):
-                n = rows[i].params.logprobs
-                entry.top_ids, entry.top_logprobs = entry.top_ids[:n], entry.top_logprobs[:n]
-                logprobs[i] = entry
-        return tokens.tolist(), logprobs
+        return tokens.tolist(), _requested_logprobs(raw_logprobs, tokens, rows)
+
+    def draw_with_distribution(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], torch.Tensor]:
+        """A token of each (sampled) row and the distribution it was drawn from, [rows, vocab] summing to 1: a
+        draft model's proposals, which speculative sampling checks against the served model's distribution."""
+        probs = self._distribution(self._apply_rules(logits, rows), rows)
+        probs /= probs.sum(dim=-1, keepdim=True)
+        uniform = torch.cat([_uniform(r.generator) for r in rows]).to(probs.device, torch.float64)
+        return _inverse_transform(probs, uniform).tolist(), probs
+
+    def verify_drafts(
+        self, logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int], draft_probs: torch.Tensor | None
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Speculative sampling of one sampled request (Leviathan et al. 2023, Chen et al. 2023): `logits` and
+        `rows` are its rows after its known tokens and after each of its k `drafts`; `draft_probs` [k, vocab] the
+        distributions the drafts were drawn from (None: proposals that did not come from a distribution, as the
+        n-gram proposer's, which are one-hot). Draft j is kept with probability min(1, p_j(x) / q_j(x)); the first
+        one refused is replaced by a draw from max(0, p_j - q_j), renormalised; when all are kept a last token is
+        drawn from p_k. Each token is then distributed as plain sampling's, whatever the drafts were. Returns the
+        kept drafts and the new token (with logprobs where asked)."""
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if rows[0].params.logprobs is not None else None
+        target = self._distribution(self._apply_rules(logits, rows), rows)
+        target /= target.sum(dim=-1, keepdim=True)
+        generator = rows[0].generator
+        tokens: list[int] = []
+        for j, draft in enumerate(drafts):
+            q = 1.0 if draft_probs is None else float(draft_probs[j, draft])
+            if float(_uniform(generator)) * q < float(target[j, draft]):
+                tokens.append(draft)
+                continue
+            residual = target[j].clone()
+            if draft_probs is None:
+                residual[draft] = 0
+            else:  # a draft vocabulary narrower than the model's proposes none of the tokens past it
+                width = draft_probs.shape[-1]
+                residual[:width] = (residual[:width] - draft_probs[j]).clamp_(min=0)
+            if not residual.sum() > 0:  # p >= q everywhere: only rounding refuses a draft then
+                residual = target[j]
+            tokens.append(self._draw_from(residual[None], generator))
+            break
+        else:
+            tokens.append(self._draw_from(target[len(drafts), None], generator))
+        index = torch.tensor(tokens, device=logits.device)
+        used = rows[: len(tokens)]
+        raw = raw_logprobs[: len(tokens)] if raw_logprobs is not None else None
+        return tokens, _requested_logprobs(raw, index, used)
+
+    @staticmethod
+    def _draw_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+        uniform = _uniform(generator).to(probs.device, torch.float64)
+        return int(_inverse_transform(probs, uniform)[0])
+
+    def _apply_rules(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """logit_bias, allowed and banned tokens, the grammar's mask and the penalties."""
+        logits = apply_token_rules(logits, rows)
+        logits = apply_token_bitmasks(logits, rows)
+        return self._apply_penalties(logits, rows)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         adjusted = None
@@ -140,6 +185,14 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Draws each row's token from softmax(logits / temperature) under its filters; `logits` is changed."""
+        probs = self._distribution(logits, rows)
+        uniform = torch.cat([_uniform(r.generator) for r in rows]).to(probs.device, torch.float64)
+        return _inverse_transform(probs, uniform)
+
+    @staticmethod
+    def _distribution(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Each row's probabilities under its temperature, top-k, top-p and min-p (min-p's cut tokens are zeroed,
+        not renormalised: the draw scales by the total); `logits` is changed."""
         temperature = torch.tensor([r.params.temperature for r in rows], device=logits.device, dtype=logits.dtype)
         logits = logits.div_(temperature[:, None])
         top_k = [r.params.top_k for r in rows]
@@ -151,8 +204,24 @@ class Sampler:
         if any(min_p):
             threshold = torch.tensor(min_p, device=logits.device)[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
-        uniform = torch.cat([_uniform(r.generator) for r in rows]).to(probs.device, torch.float64)
-        return _inverse_transform(probs, uniform)
+        return probs
+
+
+def _requested_logprobs(
+    raw_logprobs: torch.Tensor | None, tokens: torch.Tensor, rows: list[SamplingRow]
+) -> list[TokenLogprobs | None]:
+    """Each row's chosen-token logprob and its top `params.logprobs`, for the rows that asked (raw: the model's)."""
+    logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+    if raw_logprobs is None:
+        return logprobs
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    k = max(rows[i].params.logprobs for i in wanted)
+    index = torch.tensor(wanted, device=raw_logprobs.device)
+    for i, entry in zip(wanted, logprobs_of(raw_logprobs[index], tokens[index], k), strict=True):
+        n = rows[i].params.logprobs
+        entry.top_ids, entry.top_logprobs = entry.top_ids[:n], entry.top_logprobs[:n]
+        logprobs[i] = entry
+    return logprobs
 
 
 # Tokens per block of the two-level running sum in _inverse_transform.
