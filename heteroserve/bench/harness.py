@@ -99,6 +99,8 @@ def speculative_fields(engine: LLMEngine) -> dict:
         "spec_draft_tokens": drafts,
         "spec_accepted_tokens": accepted,
         "spec_acceptance_rate": accepted / drafts if drafts else None,
+        # Of the steps that checked drafts, the share that kept the draft at each position.
+        "spec_acceptance_by_position": [n / stats.spec_num_drafts for n in stats.spec_accepted_per_position],
     }
 
 

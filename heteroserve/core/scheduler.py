@@ -85,6 +85,8 @@ class SchedulerStats:
     prefix_hits: int
     spec_draft_tokens: int  # speculative tokens checked so far
     spec_accepted_tokens: int  # of which the model confirmed
+    spec_num_drafts: int = 0  # (request, step) pairs that checked drafts
+    spec_accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts confirmed at position i
     step_token_counts: dict[int, int] = field(default_factory=dict)  # tokens in a step -> steps that ran that many
     running_lora_adapters: list[str] = field(default_factory=list)  # names of the adapters running requests use
     waiting_lora_adapters: list[str] = field(default_factory=list)  # and of those only waiting requests use
@@ -112,6 +114,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_drafts = 0
+        self.accepted_per_position: list[int] = []  # [i]: drafts confirmed as a request's i-th draft of a step
         self.step_token_counts: dict[int, int] = {}  # bounded: a step holds at most max_num_batched_tokens
 
     def add_request(self, request: Request) -> None:
@@ -235,8 +239,14 @@ class Scheduler:
                 continue
             tokens = sampled.get(request.request_id, [])
             accepted = max(len(tokens) - 1, 0)
-            self.num_draft_tokens += len(item.draft_token_ids)
-            self.num_accepted_tokens += accepted
+            if item.draft_token_ids:
+                self.num_drafts += 1
+                self.num_draft_tokens += len(item.draft_token_ids)
+                self.num_accepted_tokens += accepted
+                if len(self.accepted_per_position) < len(item.draft_token_ids):
+                    self.accepted_per_position += [0] * (len(item.draft_token_ids) - len(self.accepted_per_position))
+                for position in range(accepted):
+                    self.accepted_per_position[position] += 1
             request.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids) + accepted
             if tokens:
                 if request.first_token_time is None:
@@ -326,6 +336,8 @@ class Scheduler:
             prefix_hits=self.kv_cache.stats.hits,
             spec_draft_tokens=self.num_draft_tokens,
             spec_accepted_tokens=self.num_accepted_tokens,
+            spec_num_drafts=self.num_drafts,
+            spec_accepted_per_position=list(self.accepted_per_position),
             step_token_counts=dict(self.step_token_counts),  # a copy: the engine thread keeps counting
             running_lora_adapters=running,
             waiting_lora_adapters=[name for name in waiting if name not in running],

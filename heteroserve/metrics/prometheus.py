@@ -88,6 +88,7 @@ class _EngineCollector:
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_hits),
             ("num_preemptions", "Requests preempted for lack of KV blocks.", stats.num_preemptions),
+            ("spec_decode_num_drafts", "Steps of a request that checked speculative drafts.", stats.spec_num_drafts),
             ("spec_decode_num_draft_tokens", "Speculative draft tokens checked.", stats.spec_draft_tokens),
             (
                 "spec_decode_num_accepted_tokens",
@@ -98,6 +99,14 @@ class _EngineCollector:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=names)
             counter.add_metric(values, value)
             yield counter
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative draft tokens the model confirmed, by their place among a step's drafts (0: the first).",
+            labels=[*names, "position"],
+        )
+        for position, count in enumerate(stats.spec_accepted_per_position):
+            per_position.add_metric([*values, str(position)], count)
+        yield per_position
         if self.engine.config.lora is not None:  # vLLM's: the value is the time of the scrape
             info = GaugeMetricFamily(
                 PREFIX + "lora_requests_info",

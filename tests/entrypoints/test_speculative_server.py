@@ -52,6 +52,14 @@ def test_streams_the_plain_servers_text_in_fewer_chunks(speculative_server, serv
     accepted = speculative_server.metric("heteroserve:spec_decode_num_accepted_tokens_total")
     assert 0 < accepted <= speculative_server.metric("heteroserve:spec_decode_num_draft_tokens_total")
     assert len(ours) <= 48 - accepted + 1
+    # A draft is kept only after every draft before it: the counts by position add up and never grow.
+    per_position = [
+        speculative_server.metric("heteroserve:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+        for i in range(4)
+    ]
+    assert sum(per_position) == accepted
+    assert per_position == sorted(per_position, reverse=True)
+    assert per_position[0] <= speculative_server.metric("heteroserve:spec_decode_num_drafts_total")
 
 
 def test_a_bad_speculative_config_stops_the_command():
