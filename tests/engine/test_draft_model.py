@@ -1,7 +1,8 @@
 """Speculative decoding with a draft model on tiny random models: the served model's greedy tokens and logprobs
 (against transformers and against plain decoding of the same engine settings) whatever the draft, with chunked
-prefill, prefix caching, preemption and sampled requests beside greedy ones; the draft's own cache checked by a
-draft that is the served checkpoint itself, whose every draft must be confirmed.
+prefill, prefix caching and preemption; the draft's own cache checked by a draft that is the served checkpoint
+itself, whose every draft must be confirmed; sampled requests' tokens (speculative sampling) against the exact
+distribution of plain sampling.
 
 Three drafts: the served checkpoint itself (every draft confirmed: its cache on the shared blocks must hold what
 the served model's does), its int4 copy (`self-int4`: some confirmed, some not) and an unrelated tiny Llama of
