@@ -59,6 +59,8 @@ def test_grouped_int8_against_dequantised_matmul(asymmetric, rows, group_size):
     bias = torch.randn(n)
     reference = x @ weight.dequantize().T + bias
     assert relative_error(CpuGroupedInt8Weight(weight).matmul(x, bias), reference) <= 1e-5
+    if cpu_kernels.load_library():  # the fused experts read the product's rows in place: contiguous on every path
+        assert torch.ops.heteroserve.int8_grouped_product(x, weight.q, weight.scale, weight.zero).is_contiguous()
 
 
 @pytest.mark.parametrize("asymmetric", [False, True])
@@ -77,6 +79,7 @@ def test_int8_panel_kernel_against_dequantised_matmul(asymmetric, rows, group_si
     reference = x @ weight.dequantize().T
     out = torch.ops.heteroserve.int8_panel_linear(x, weight.q, weight.scale, weight.zero)
     assert relative_error(out, reference) <= 1e-5
+    assert torch.ops.heteroserve.int8_grouped_product(x, weight.q, weight.scale, weight.zero).is_contiguous()
     assert relative_error(CpuGroupedInt8Weight(weight).matmul(x, None), reference) <= 1e-5
 
 

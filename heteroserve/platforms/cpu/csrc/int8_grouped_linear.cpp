@@ -314,7 +314,7 @@ namespace heteroserve {
 // y = x W^T for grouped 8-bit weights at any number of rows, on the kernel each row count takes: in place up to
 // kMaxRows rows (decode), the panel GEMM beyond where the build has it and N is a whole number of panels, else
 // slices of kSliceRows output rows dequantised exactly into a buffer that stays in cache and multiplied by torch's
-// mm. Groups must be a multiple of kLanes.
+// mm. Groups must be a multiple of kLanes. The result is contiguous on every path.
 at::Tensor int8_grouped_product(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                                 const std::optional<at::Tensor>& zero) {
   if (x.size(0) <= kMaxRows) return int8_grouped_linear(x, q, scale, zero);
@@ -335,7 +335,7 @@ at::Tensor int8_grouped_product(const at::Tensor& x, const at::Tensor& q, const 
     at::Tensor rows = out_t.narrow(0, start, count);
     at::mm_out(rows, slice, x_t);
   }
-  return out_t.t();
+  return out_t.t().contiguous();  // callers (the fused experts among them) read [M, N] rows in place
 }
 
 }  // namespace heteroserve

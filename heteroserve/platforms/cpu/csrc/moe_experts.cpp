@@ -193,7 +193,8 @@ at::Tensor moe_experts(const at::Tensor& h_in, const at::Tensor& ids_in, const a
     for (int64_t r = 0; r < rows; ++r) std::memcpy(x_data + r * row_bytes, h_data + token[count[e] + r] * row_bytes, row_bytes);
     const at::Tensor activated =
         silu_and_mul(project(x, gate_up.slice(e * gate_up_parts, gate_up_parts), w.gate_up_features, {}));
-    outputs[e] = project(activated, down.slice(e * down_parts, down_parts), hidden, {});
+    // Read in place below, row by row.
+    outputs[e] = project(activated, down.slice(e * down_parts, down_parts), hidden, {}).contiguous();
   };
   if (few_rows && chosen.size() > 1) {
     std::mutex failure_lock;
