@@ -64,12 +64,13 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& packed, int64
   const float* bd = bias.defined() ? bias.const_data_ptr<float>() : nullptr;
   float* od = out.data_ptr<float>();
   const int64_t block = row_block(K);
+  const bool prefetch = software_prefetch(M);
   heteroserve::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += block) {
       for (int64_t p = begin; p < end; ++p) {
         const int columns = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
         panel_rows(xd, m0, std::min(M, m0 + block), K, wd + p * K * kPanel, bd ? bd + p * kPanel : nullptr,
-                   od + p * kPanel, N, columns, p + 1 < end ? wd + (p + 1) * K * kPanel : nullptr);
+                   od + p * kPanel, N, columns, p + 1 < end ? wd + (p + 1) * K * kPanel : nullptr, prefetch);
       }
     }
   });

@@ -17,15 +17,31 @@ constexpr int kPanel = 2 * kLanes;           // NR: output columns per panel
 constexpr int64_t kPrefetch = 16;             // k steps ahead of the tile's reads
 constexpr int64_t kRowBlockBytes = 1 << 19;  // x rows per pass over the panels: their slice stays in L2
 
-// Rows [0, ROWS) of x times one panel: out[r, 0:columns] (columns < kPanel only in the last panel).
-template <int ROWS>
+// Whether a float32 product of `rows` rows prefetches its panels in software (the tile's next lines, the next
+// panel into L2). Up to 16 rows the product is bound by reading its weight, and AVX2 builds leave that stream to
+// the hardware prefetchers, which run it faster alone (bench/results/float32-prefetch-amd-epyc-zen3-avx2-*). Beyond,
+// and on AVX-512 builds, the prefetches stay; the bfloat16 kernel's widening keeps them too (they pay there).
+inline bool software_prefetch(int64_t rows) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  return rows > 16;
+#else
+  (void)rows;
+  return true;
+#endif
+}
+
+// Rows [0, ROWS) of x times one panel: out[r, 0:columns] (columns < kPanel only in the last panel); PREFETCH: see
+// software_prefetch.
+template <int ROWS, bool PREFETCH = true>
 inline void tile(const float* x, int64_t K, const float* panel, const float* bias, float* out, int64_t N, int columns,
                  const char* ahead, int64_t ahead_lines) {
   vec acc[ROWS][2] = {};
   for (int64_t k = 0; k < K; ++k) {
-    __builtin_prefetch(panel + (k + kPrefetch) * kPanel);
-    __builtin_prefetch(panel + (k + kPrefetch) * kPanel + kLanes);
-    if (2 * k < ahead_lines) {
+    if constexpr (PREFETCH) {
+      __builtin_prefetch(panel + (k + kPrefetch) * kPanel);
+      __builtin_prefetch(panel + (k + kPrefetch) * kPanel + kLanes);
+    }
+    if (PREFETCH && 2 * k < ahead_lines) {
       __builtin_prefetch(ahead + 2 * k * 64, 0, 2);
       __builtin_prefetch(ahead + (2 * k + 1) * 64, 0, 2);
     }
@@ -84,18 +100,25 @@ inline void tile_schedule(int64_t m0, int64_t m1, int64_t panel_bytes, const voi
 }
 
 // `rows` (at most kTileRows) rows of x times one panel.
+template <bool PREFETCH = true>
 inline void tile_rows(int rows, const float* x, int64_t K, const float* panel, const float* bias, float* out,
                       int64_t N, int columns, const char* ahead, int64_t ahead_lines) {
-  with_rows<kTileRows>(
-      rows, [&](auto r) { tile<decltype(r)::value>(x, K, panel, bias, out, N, columns, ahead, ahead_lines); });
+  with_rows<kTileRows>(rows, [&](auto r) {
+    tile<decltype(r)::value, PREFETCH>(x, K, panel, bias, out, N, columns, ahead, ahead_lines);
+  });
 }
 
-// Rows [m0, m1) of x times one float32 panel (`next`: see tile_schedule).
+// Rows [m0, m1) of x times one float32 panel (`next`: see tile_schedule; prefetch: see software_prefetch).
 inline void panel_rows(const float* x, int64_t m0, int64_t m1, int64_t K, const float* panel, const float* bias,
-                       float* out, int64_t N, int columns, const float* next = nullptr) {
-  tile_schedule(m0, m1, K * kPanel * 4, next, [&](int rows, int64_t m, const char* ahead, int64_t ahead_lines) {
-    tile_rows(rows, x + m * K, K, panel, bias, out + m * N, N, columns, ahead, ahead_lines);
-  });
+                       float* out, int64_t N, int columns, const float* next = nullptr, bool prefetch = true) {
+  tile_schedule(m0, m1, K * kPanel * 4, prefetch ? next : nullptr,
+                [&](int rows, int64_t m, const char* ahead, int64_t ahead_lines) {
+                  if (prefetch) {
+                    tile_rows<true>(rows, x + m * K, K, panel, bias, out + m * N, N, columns, ahead, ahead_lines);
+                  } else {
+                    tile_rows<false>(rows, x + m * K, K, panel, bias, out + m * N, N, columns, nullptr, 0);
+                  }
+                });
 }
 
 // Rows of x per pass over the panels, so that their slice stays in L2 while the panels stream by.
