@@ -24,6 +24,7 @@ from heteroserve.platforms import Platform, resolve_platform
 from heteroserve.platforms.plugins import load_class
 from heteroserve.worker.draft_model import DraftModel, load_draft_model
 from heteroserve.worker.encoder_runner import EncoderRunner
+from heteroserve.worker.load_memory import release_load_memory
 from heteroserve.worker.model_runner import ModelRunner, StepResult, kv_cache_dtype
 from heteroserve.worker.step_wire import StepDecoder, WireStep
 
@@ -81,6 +82,7 @@ class Worker:
         self.platform.assign_threads(loaded.dtype, config.device.kernels)
         self._decoder = StepDecoder()
         if isinstance(loaded.model, EncoderModel):
+            release_load_memory()
             self.runner = EncoderRunner(loaded, self.platform, config.cache, config.scheduler)
             vocab_size = loaded.model.arch.vocab_size
         else:
@@ -95,6 +97,7 @@ class Worker:
                     speculative.num_speculative_tokens,
                     loaded.model.shard.full_arch.vocab_size,
                 )
+            release_load_memory()  # before the KV pool is sized from the memory left
             self.runner = model_runner_class(self.platform)(
                 loaded,
                 self.platform,

@@ -65,6 +65,12 @@ def _read_gguf(path: str, size: int, mtime_ns: int) -> GGUFReader:
     return GGUFReader(path)
 
 
+def forget_open_files() -> None:
+    """Drops the parsed readers once a model is loaded, and with them the file's mapping: the pages read through
+    it count in the process's resident memory, the file's size again beside the converted weights."""
+    _read_gguf.cache_clear()
+
+
 def _field(reader: GGUFReader, key: str, default=None):
     field = reader.fields.get(key)
     return default if field is None else field.contents()
