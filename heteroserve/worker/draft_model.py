@@ -111,14 +111,16 @@ class DraftModel:
     def __init__(
         self, loaded: LoadedModel, cache_dtype: torch.dtype, num_speculative_tokens: int, vocab_size: int
     ) -> None:
-        """cache_dtype: its KV cache's; vocab_size: the served model's (drafts stay within both vocabularies)."""
+        """cache_dtype: its KV cache's; vocab_size: the served model's, the width its drafts' logits are given
+        (cut where the draft's vocabulary is wider, -inf for the ids it lacks), so that a request's token rules
+        (logit_bias, allowed ids) index them as the served model's and every draft is an id of both."""
         self.model: DecoderModel = loaded.model
         self.arch = self.model.arch
         self.backend = self.model.attn_backend
         self.cache_dtype = cache_dtype
         self.num_speculative_tokens = num_speculative_tokens
         self.max_model_len = loaded.max_model_len
-        self.vocab_size = min(vocab_size, self.arch.vocab_size)
+        self.vocab_size = vocab_size
         self.layer_caches: list[tuple[torch.Tensor, torch.Tensor]] = []  # set by allocate
         self.block_size = 0
         self.device = torch.device("cpu")
@@ -146,7 +148,9 @@ class DraftModel:
     def _forward(self, requests: list[tuple[list[int], int, int]], num_decodes: int, ids, positions) -> torch.Tensor:
         step = AttentionStep.of(self.block_size, requests, num_decodes, None, self.device)
         meta = {None: self.backend.build_metadata(step)}
-        ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        # An id the draft has no row for (the served model's padding of the same tokenizer) reaches it as id 0:
+        # the drafts after it are then rarely kept, and never change a token.
+        ids = torch.tensor([t if t < self.arch.vocab_size else 0 for t in ids], dtype=torch.long, device=self.device)
         positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self.model(ids, positions, self.layer_caches, meta, None, None)
 
@@ -205,9 +209,7 @@ class DraftModel:
                 hidden = self._forward(requests, len(active), ids, newest)
             else:
                 hidden = hidden[torch.tensor([end for _, end in drafting], device=self.device)]
-            logits = self.model.compute_logits(hidden)
-            if logits.shape[-1] != self.vocab_size:
-                logits = logits[:, : self.vocab_size].contiguous()
+            logits = self._served_width(self.model.compute_logits(hidden))
             tokens = self.model.ops.argmax_rows(logits).tolist()
             drawn = [i for i, row in enumerate(active) if row.sampling]
             if drawn:
@@ -224,6 +226,14 @@ class DraftModel:
         for request_id, lines in distributions.items():
             self.distributions[request_id] = (drafts[request_id], torch.stack(lines))
         return drafts
+
+    def _served_width(self, logits: torch.Tensor) -> torch.Tensor:
+        width = logits.shape[-1]
+        if width > self.vocab_size:
+            return logits[:, : self.vocab_size].contiguous()
+        if width < self.vocab_size:
+            return torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=float("-inf"))
+        return logits
 
 
 @dataclass

@@ -259,3 +259,29 @@ def test_refusals(served, tmp_path):
 def test_self_int4_of_a_gguf_model_served_from_its_blocks_is_refused():
     with pytest.raises(ValueError, match="already runs from its quantised blocks"):
         LLM(max_model_len=256, kv_cache_memory_bytes=64 * 1024**2, speculative_config={"model": "self-int4"})
+
+
+def test_a_draft_with_fewer_token_rows_takes_the_requests_token_rules(tmp_path, default_tokenizer):
+    """The same tokenizer over embeddings of different sizes (checkpoints pad their vocabularies differently): a
+    sampled request biased towards an id only the served model has still runs, its drafts (never that id) are
+    refused, and every token is the biased one, as without speculation."""
+    extra = 64
+    vocab = len(default_tokenizer)
+    small = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1}
+    served, draft = tmp_path / "served", tmp_path / "draft"
+    for folder, overrides, seed in ((served, {"vocab_size": vocab + extra}, 3), (draft, {"vocab_size": vocab}, 4)):
+        build_hf_model("llama", {**small, **overrides}, seed=seed).save_pretrained(folder)
+        default_tokenizer.save_pretrained(folder)
+    biased = vocab + extra // 2
+    llm = LLM(
+        model=str(served),
+        max_model_len=64,
+        num_kv_blocks=16,
+        dtype="float32",
+        speculative_config={"model": str(draft), "num_speculative_tokens": K},
+    )
+    params = SamplingParams(temperature=0.7, seed=1, max_tokens=9, ignore_eos=True, logit_bias={biased: 100.0})
+    output = run(llm, [[1, 2, 3, 4, 5]], params)[0].outputs[0]
+    assert output.token_ids == [biased] * 9
+    stats = llm.engine.stats()
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens == 0
