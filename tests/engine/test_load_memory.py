@@ -1,5 +1,5 @@
 """What loading leaves behind: once the engine is built, the GGUF file it read is no longer mapped into the
-process (its pages would count in the resident memory beside the converted weights), and the answer is the same."""
+process (its pages would count in the resident memory beside the converted weights), and the engine still answers."""
 
 from __future__ import annotations
 

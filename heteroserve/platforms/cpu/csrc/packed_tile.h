@@ -116,7 +116,7 @@ inline void panel_rows(const float* x, int64_t m0, int64_t m1, int64_t K, const 
                   if (prefetch) {
                     tile_rows<true>(rows, x + m * K, K, panel, bias, out + m * N, N, columns, ahead, ahead_lines);
                   } else {
-                    tile_rows<false>(rows, x + m * K, K, panel, bias, out + m * N, N, columns, nullptr, 0);
+                    tile_rows<false>(rows, x + m * K, K, panel, bias, out + m * N, N, columns, ahead, ahead_lines);
                   }
                 });
 }
