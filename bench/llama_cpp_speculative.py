@@ -5,7 +5,8 @@ file, `-md` the Q4_1 file as shipped).
 Each round runs WORKLOAD.md's scenario A prompt (32 tokens, 128 generated, greedy, EOS ignored) through
 `heteroserve bench latency` in its own process and through a llama-server started for the round (its
 /completion endpoint, prompt cache off, `timings.predicted_per_second`), alternating which goes first. llama.cpp
-drafts up to k tokens a step with `--draft-min 0 --draft-p-min 0`, so it drafts whenever it can, as ours does.
+drafts up to k tokens a step (`--spec-type draft-simple --spec-draft-n-min 0 --spec-draft-p-min 0`), so it
+drafts whenever it can, as ours does.
 
     python bench/llama_cpp_speculative.py --llama-server /path/to/llama-server --rounds 3 --k 4 --out result.json
 """
@@ -46,8 +47,9 @@ def ours(k: int, output_len: int, repeats: int) -> dict:
 
 
 def llama_server(server: Path, target: Path, draft: Path, k: int, prompt: list[int], output_len: int, repeats: int):
-    command = [str(server), "-m", str(target), "-md", str(draft), "--draft-max", str(k), "--draft-min", "0"]
-    command += ["--draft-p-min", "0", "-t", str(THREADS), "-td", str(THREADS), "-c", "2048", "--port", str(PORT)]
+    command = [str(server), "-m", str(target), "-md", str(draft), "--spec-type", "draft-simple"]
+    command += ["--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
+    command += ["-t", str(THREADS), "-td", str(THREADS), "-c", "2048", "--port", str(PORT)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{PORT}"

@@ -15,11 +15,15 @@ from heteroserve.lora.peft_adapter import AdapterWeights, load_adapter
 from heteroserve.lora.request import LoRARequest
 from heteroserve.lora.slots import LoRASlots
 from heteroserve.model.sharding import ModelShard
+from heteroserve.platforms.operators import OperatorTable
 
 
 class LoRAManager:
-    def __init__(self, config: LoRAConfig, shard: ModelShard, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: LoRAConfig, shard: ModelShard, ops: OperatorTable, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.config = config
+        self.ops = ops
         self.shard = shard
         self.dtype = dtype
         self.device = device
@@ -43,13 +47,13 @@ class LoRAManager:
     def batch_for(self, segments: list[tuple[int | None, int]]) -> LoRABatch | None:
         """The step's LoRA rows, given each scheduled request's slot (None: the base model) and row count in row
         order; None when no row runs under an adapter (the base model's step is untouched)."""
-        rows_by_slot: dict[int, list[int]] = {}
+        runs = []
         offset = 0
         for slot, count in segments:
-            if slot is not None:
-                rows_by_slot.setdefault(slot, []).extend(range(offset, offset + count))
+            if slot is not None and count:
+                runs.append((offset, offset + count, slot))
             offset += count
-        return LoRABatch(self.slots, rows_by_slot, self.dtype, self.device) if rows_by_slot else None
+        return LoRABatch(self.slots, runs, self.ops, self.dtype, self.device) if runs else None
 
     def _weights(self, lora: LoRARequest) -> AdapterWeights:
         weights = self._host.get(lora.lora_int_id)

@@ -212,10 +212,14 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(self, x, positions, rotary, kv_cache, meta, lora: LoRABatch | None = None) -> torch.Tensor:
-        """meta: the attention metadata of this layer's window; lora: the step's adapter rows (a step with any runs
-        the unfused layer, which adds their products)."""
-        if self.fused_decode is not None and lora is None and self.backend.is_decode_only(meta):
-            return self.fused_decode(x, positions, kv_cache[0], kv_cache[1], meta)
+        """meta: the attention metadata of this layer's window; lora: the step's adapter rows (their products are
+        added by the fused layer where it takes them, else by the operator-by-operator layer)."""
+        if self.fused_decode is not None and self.backend.is_decode_only(meta):
+            if lora is None:
+                return self.fused_decode(x, positions, kv_cache[0], kv_cache[1], meta)
+            if getattr(self.fused_decode, "takes_lora", False):
+                adapters = (lora.layer_matrices(self.index), lora.rows.segments)
+                return self.fused_decode(x, positions, kv_cache[0], kv_cache[1], meta, adapters)
         spec = self.spec
         h = self.input_layernorm(x) if self.input_layernorm is not None else x
         a = self.self_attn(h, positions, rotary, kv_cache, meta, lora)

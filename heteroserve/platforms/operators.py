@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from heteroserve.model.arch import MoESpec
 from heteroserve.platforms import reference_ops
 from heteroserve.platforms.attention import ScoreModifiers
+from heteroserve.platforms.lora_rows import LoRARows
 from heteroserve.quantization.act_order import PermutedInput
 from heteroserve.quantization.int4 import Int4Weight
 from heteroserve.quantization.int8 import Int8Weight
@@ -159,6 +160,8 @@ class DecodeLayerWeights:
 
 
 # (x, positions, k_cache, v_cache, paged_attention.AttentionMetadata of a decode-only step) -> the layer's output.
+# One whose `takes_lora` is true also takes the step's adapters: (A^T, B^T of every slot for qkv, o, gate_up and
+# down, LoRARows.segments); others leave steps with adapter rows to the model's Python path.
 FusedDecodeLayer = Callable[..., torch.Tensor]
 # Given a layer's weights, the platform's one-call decode layer for them, or None where it has none.
 DecodeLayerFuser = Callable[[DecodeLayerWeights], FusedDecodeLayer | None]
@@ -200,6 +203,7 @@ OPERATORS: dict[str, OperatorSpec] = {
     "bidirectional_attention": OperatorSpec(reference_ops.bidirectional_attention),
     "decode_attention": OperatorSpec(reference_ops.decode_attention),
     "argmax_rows": OperatorSpec(reference_ops.argmax_rows),
+    "lora_add": OperatorSpec(reference_ops.lora_add, mutates=(0,)),
 }
 
 
@@ -298,6 +302,11 @@ class OperatorTable:
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         return self.call("argmax_rows", x)
+
+    def lora_add(
+        self, y: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor, rows: LoRARows
+    ) -> torch.Tensor:
+        return self.call("lora_add", y, x, a_t, b_t, rows)
 
     def call(self, name: str, *args):
         kernel = self.kernels.get(name)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from heteroserve.platforms.attention import ScoreModifiers
+from heteroserve.platforms.lora_rows import LoRARows
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -135,3 +136,19 @@ def modified_attention(
     sinks = modifiers.sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
     probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
     return torch.matmul(probs.to(values.dtype), values)
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor, rows: LoRARows) -> torch.Tensor:
+    """y [T, N] plus the adapters' products x A^T B^T on their rows, in place; a_t [slots, K, R] and b_t [slots, R,
+    N] every slot's matrices, rows: which rows run under which slot. Rows of the base model are not touched."""
+    if rows.slot_range is not None:
+        a_t, b_t = a_t[rows.slot_range[0] : rows.slot_range[1]], b_t[rows.slot_range[0] : rows.slot_range[1]]
+    else:
+        a_t, b_t = a_t.index_select(0, rows.slot_index), b_t.index_select(0, rows.slot_index)
+    if rows.span is not None:
+        start, end = rows.span
+        grouped = x[start:end].view(a_t.shape[0], -1, x.shape[1])
+        y[start:end] += torch.bmm(torch.bmm(grouped, a_t), b_t).flatten(0, 1)
+        return y
+    low = torch.bmm(x[rows.gather], a_t) * rows.mask
+    return y.index_add_(0, rows.gather.flatten(), torch.bmm(low, b_t).flatten(0, 1))

@@ -143,7 +143,7 @@ class ModelRunner:
         self.images = ImageInputs(loaded.vision, platform) if loaded.vision is not None else None
         self.lora = None
         if lora_config is not None:
-            self.lora = LoRAManager(lora_config, self.model.shard, self.dtype, self.device)
+            self.lora = LoRAManager(lora_config, self.model.shard, self.model.ops, self.dtype, self.device)
         self._seeds = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
         self._draft_generators: dict[str, torch.Generator] = {}  # the draft model's draws for sampled requests

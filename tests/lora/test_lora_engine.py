@@ -102,6 +102,52 @@ def test_prefix_cache_is_keyed_by_adapter(base, adapters, comparison):
             assert hits == 0, f"{choice and choice.request.lora_name}: read {hits} cached tokens of another adapter"
 
 
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_fused_decode_layer_adds_the_adapters_as_the_operators_do(quantization, base, adapters):
+    """Decode steps with adapter rows (mixed with base rows) go through the CPU's one-call decode layer, which
+    chains the adapters' products in; the same requests operator by operator give the same tokens and logprobs."""
+    llm = base.llm(enable_lora=True, max_loras=4, quantization=quantization, enable_prefix_caching=False)
+    layers = llm.engine.executor.worker.runner.model.layers
+    fused = [layer.fused_decode for layer in layers]
+    if not all(f is not None and f.takes_lora for f in fused):
+        pytest.skip("the C++ kernels cannot be built here: no fused decode layer")
+    adapter_rows = []
+
+    def recording(fused_layer):
+        def call(x, *args):
+            if len(args) == 5:
+                segments = args[4][1]
+                adapter_rows.append(int((segments[:, 1] - segments[:, 0]).sum()))
+            return fused_layer(x, *args)
+
+        call.takes_lora = True
+        return call
+
+    token_prompts = prompts(21, [7, 18, 11, 25, 4])
+    requests = [None, *(a.request for a in adapters)]
+    params = greedy_params(base.vocab_size, prompt_logprobs=False)
+
+    def generate():
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in token_prompts], params, use_tqdm=False, lora_request=requests
+        )
+        return [
+            (o.outputs[0].token_ids, [[s[t].logprob for t in sorted(s)] for s in o.outputs[0].logprobs])
+            for o in outputs
+        ]
+
+    for layer, fused_layer in zip(layers, fused, strict=True):
+        layer.fused_decode = recording(fused_layer)
+    with_fused = generate()
+    assert adapter_rows and max(adapter_rows) == len(adapters), "decode steps of all adapters ran fused"
+    for layer in layers:
+        layer.fused_decode = None
+    without = generate()
+    for (tokens, logprobs), (tokens_unfused, logprobs_unfused) in zip(with_fused, without, strict=True):
+        assert tokens == tokens_unfused
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(logprobs_unfused), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculative_decoding_under_an_adapter(method, base, adapters, comparison):
     """n-gram drafts, or the base model without the adapter as the draft model."""

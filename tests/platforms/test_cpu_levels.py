@@ -24,6 +24,7 @@ KERNEL_TESTS = [
     "tests/platforms/test_cpu_kernels.py",
     "tests/platforms/test_cpu_kernels_bfloat16.py",
     "tests/platforms/test_cpu_decode_layer.py",
+    "tests/platforms/test_cpu_lora_products.py",
     "tests/quantization/test_int4.py",
     "tests/quantization/test_int8.py",
 ]

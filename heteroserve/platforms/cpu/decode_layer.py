@@ -44,7 +44,14 @@ class CpuFusedDecodeLayer:
         self.shared_features = shared[0].shape[0] if shared else 0
         self.shared_gate = w.shared_gate
 
-    def __call__(self, x, positions, k_cache, v_cache, meta) -> torch.Tensor:
+    @property
+    def takes_lora(self) -> bool:
+        """Whether a step with adapter rows runs here (a dense layer: the adapters' products are chained in);
+        a mixture of experts' layer leaves such steps to the model's Python path."""
+        return self.experts is None
+
+    def __call__(self, x, positions, k_cache, v_cache, meta, lora=None) -> torch.Tensor:
+        """lora: None, or the layer's adapter matrices and the step's segments (operators.FusedDecodeLayer)."""
         layer = (
             x,
             self.norms,
@@ -64,7 +71,9 @@ class CpuFusedDecodeLayer:
             self.scale,
         )
         if self.experts is None:
-            return torch.ops.heteroserve.decode_layer(*layer)
+            if lora is None:
+                return torch.ops.heteroserve.decode_layer(*layer, [], None)
+            return torch.ops.heteroserve.decode_layer(*layer, *lora)
         return torch.ops.heteroserve.decode_moe_layer(
             *layer,
             *self.experts.router_arguments(),

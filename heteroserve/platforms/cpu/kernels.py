@@ -21,6 +21,9 @@
 - `torch.ops.heteroserve.decode_layer` / `decode_moe_layer` (csrc/decode_layer.cpp): the kernels above chained
   for one decoder layer of a decode-only step (decode_layer.py), so that no Python runs between them;
   `moe_route` / `moe_experts` (csrc/moe_experts.cpp): a mixture of experts' routing and chosen experts.
+- `lora_add` (csrc/lora_products.cpp): a step's adapter products, every segment of rows in one call on register
+  tiles, where the reference's padded `bmm` runs these thin products slowly; each row's sums in one order, so a
+  request under an adapter gets the same bits alone or batched.
 - `torch.ops.heteroserve.int8_grouped_linear` (csrc/int8_grouped_linear.cpp): grouped 8-bit weights read in
   place for decode batches, called by int8.CpuGroupedInt8Weight rather than through the operator table;
   `int8_grouped_dequantize` expands the slices larger batches multiply in cache.
@@ -128,6 +131,15 @@ class ArgmaxRows:
         return torch.ops.heteroserve.argmax_rows(x)
 
 
+class LoRAProducts:
+    kernel_name = "cpp segmented lora products"
+
+    def __call__(self, y: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor, rows) -> torch.Tensor:
+        if y.is_contiguous():
+            return torch.ops.heteroserve.lora_add(y, x, a_t, b_t, rows.segments)
+        return y.copy_(torch.ops.heteroserve.lora_add(y.contiguous(), x, a_t, b_t, rows.segments))
+
+
 class FusedRotary:
     kernel_name = "cpp fused rotary"
 
@@ -148,6 +160,7 @@ def kernels_for(dtype: torch.dtype) -> dict:
             prefill_attention=PrefillAttention(),
             bidirectional_attention=BidirectionalAttention(),
             argmax_rows=ArgmaxRows(),
+            lora_add=LoRAProducts(),
         )
     return kernels
 

@@ -56,19 +56,34 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
   }
 }
 
-// A layer with a dense SwiGLU MLP; out_features: N of qkv, o, gate_up and down.
+// y, a projection of x, plus (where the step has adapter rows) their products for fused product `target` (0 qkv,
+// 1 o, 2 gate_up, 3 down: lora holds A^T, B^T of each in that order), as the model's Python path adds them.
+at::Tensor with_adapters(at::Tensor y, const at::Tensor& x, at::TensorList lora,
+                         const std::optional<at::Tensor>& lora_segments, int target) {
+  if (lora.empty()) return y;
+  return heteroserve::lora_add(y, x, lora[2 * target], lora[2 * target + 1], *lora_segments);
+}
+
+// A layer with a dense SwiGLU MLP; out_features: N of qkv, o, gate_up and down; lora: see with_adapters.
 at::Tensor decode_layer(const at::Tensor& x, at::TensorList norms, at::TensorList qkv_w, at::TensorList o_w,
                         at::TensorList gate_up_w, at::TensorList down_w, at::IntArrayRef out_features,
                         const std::optional<at::Tensor>& qkv_bias, double eps, const at::Tensor& positions,
                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
-                        const at::Tensor& mask, int64_t num_heads, double scale) {
+                        const at::Tensor& mask, int64_t num_heads, double scale, at::TensorList lora,
+                        const std::optional<at::Tensor>& lora_segments) {
   TORCH_CHECK(out_features.size() == 4, "decode_layer: 4 output sizes");
+  TORCH_CHECK(lora.empty() || (lora.size() == 8 && lora_segments.has_value()),
+              "decode_layer: adapters are A^T, B^T of qkv, o, gate_up and down, with their segments");
   at::Tensor h = heteroserve::attention_residual(x, norms, qkv_w, o_w, out_features, qkv_bias, eps, positions, cos,
-                                                 sin, k_cache, v_cache, slots, block_tables, mask, num_heads, scale);
+                                                 sin, k_cache, v_cache, slots, block_tables, mask, num_heads, scale,
+                                                 lora, lora_segments);
   const auto linear = heteroserve::project;
-  const at::Tensor gate_up = linear(heteroserve::rms_norm(h, norms[1], eps), gate_up_w, out_features[2], {});
-  return h.add_(linear(heteroserve::silu_and_mul(gate_up), down_w, out_features[3], {}));
+  const at::Tensor normed = heteroserve::rms_norm(h, norms[1], eps);
+  const at::Tensor gate_up = with_adapters(linear(normed, gate_up_w, out_features[2], {}), normed, lora,
+                                           lora_segments, 2);
+  const at::Tensor act = heteroserve::silu_and_mul(gate_up);
+  return h.add_(with_adapters(linear(act, down_w, out_features[3], {}), act, lora, lora_segments, 3));
 }
 
 }  // namespace
@@ -82,7 +97,7 @@ at::Tensor attention_residual(const at::Tensor& x, at::TensorList norms, at::Ten
                               const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                               const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
                               const at::Tensor& block_tables, const at::Tensor& mask, int64_t num_heads,
-                              double scale) {
+                              double scale, at::TensorList lora, const std::optional<at::Tensor>& lora_segments) {
   TORCH_CHECK(norms.size() == 2 || norms.size() == 4, "decode_layer: 2 or 4 norms");
   TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "decode_layer: x [T, hidden] and contiguous caches [blocks, block_size, Hkv, D]");
@@ -97,7 +112,9 @@ at::Tensor attention_residual(const at::Tensor& x, at::TensorList norms, at::Ten
   TORCH_CHECK(out_features[0] == q_size + 2 * kv_size, "decode_layer: qkv has ", out_features[0], " outputs");
 
   const auto linear = heteroserve::project;
-  const at::Tensor qkv = linear(heteroserve::rms_norm(x, norms[0], eps), qkv_w, out_features[0], qkv_bias);
+  const at::Tensor normed = heteroserve::rms_norm(x, norms[0], eps);
+  const at::Tensor qkv =
+      with_adapters(linear(normed, qkv_w, out_features[0], qkv_bias), normed, lora, lora_segments, 0);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
   at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, Hkv, D});
   if (norms.size() == 4) {
@@ -109,7 +126,8 @@ at::Tensor attention_residual(const at::Tensor& x, at::TensorList norms, at::Ten
   write_kv(k_rotated, v, k_cache, v_cache, slots);
   const at::Tensor attention =
       heteroserve::paged_decode_attention(q_rotated, k_cache, v_cache, block_tables, mask, scale);
-  return at::add(x, linear(attention.view({T, q_size}), o_w, out_features[1], {}));
+  const at::Tensor heads = attention.view({T, q_size});
+  return at::add(x, with_adapters(linear(heads, o_w, out_features[1], {}), heads, lora, lora_segments, 1));
 }
 
 }  // namespace heteroserve
@@ -118,6 +136,6 @@ TORCH_LIBRARY_FRAGMENT(heteroserve, m) {
   m.def("decode_layer(Tensor x, Tensor[] norms, Tensor[] qkv, Tensor[] o, Tensor[] gate_up, Tensor[] down, "
         "int[] out_features, Tensor? qkv_bias, float eps, Tensor positions, Tensor cos, Tensor sin, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor block_tables, Tensor mask, int num_heads, "
-        "float scale) -> Tensor");
+        "float scale, Tensor[] lora, Tensor? lora_segments) -> Tensor");
   m.impl("decode_layer", c10::DispatchKey::CPU, &decode_layer);
 }

@@ -43,13 +43,18 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& h, const at::Tens
                                              bool renormalize, double routed_scale);
 at::Tensor moe_experts(const at::Tensor& h, const at::Tensor& ids, const at::Tensor& weights,
                        const ExpertWeights& experts);
-// The attention half of a decoder layer for decode tokens, x + o(attention(rms_norm(x))) (decode_layer.cpp).
+// The attention half of a decoder layer for decode tokens, x + o(attention(rms_norm(x))) (decode_layer.cpp);
+// lora: A^T and B^T of every adapter slot for qkv then o (or none), added on the rows of lora_segments.
 at::Tensor attention_residual(const at::Tensor& x, at::TensorList norms, at::TensorList qkv_w, at::TensorList o_w,
                               at::IntArrayRef out_features, const std::optional<at::Tensor>& qkv_bias, double eps,
                               const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                               const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
                               const at::Tensor& block_tables, const at::Tensor& mask, int64_t num_heads,
-                              double scale);
+                              double scale, at::TensorList lora = {},
+                              const std::optional<at::Tensor>& lora_segments = std::nullopt);
+// y += the adapters' products of x on the rows of segments [S, 3] (first row, end row, slot) (lora_products.cpp).
+at::Tensor lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a_t, const at::Tensor& b_t,
+                    const at::Tensor& segments);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& mask, double scale);
 
