@@ -210,6 +210,9 @@ class SpeculativeConfig:
         return cls(**values)
 
 
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass
 class LoRAConfig:
     """Multi-LoRA serving (vLLM's --enable-lora): how many adapters a step may mix (each holds a device slot), the
@@ -218,8 +221,11 @@ class LoRAConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    lora_dtype: str = "auto"  # the slots' dtype: auto is the model's; a 16-bit one halves what a step reads
 
     def __post_init__(self) -> None:
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.max_lora_rank < 1:

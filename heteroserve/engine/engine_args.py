@@ -14,6 +14,7 @@ from typing import Any
 
 from heteroserve.config import (
     KV_CACHE_DTYPES,
+    LORA_DTYPES,
     REASONING_FORMATS,
     RUNNERS,
     CacheConfig,
@@ -165,6 +166,12 @@ class EngineArgs:
     max_loras: int = _setting(1, "most adapters in one step (each holds a device slot; others wait their turn)")
     max_lora_rank: int = _setting(16, "largest adapter rank accepted (the size of a slot)")
     max_cpu_loras: int | None = _setting(None, "adapters kept read in host memory (default: --max-loras)")
+    lora_dtype: str = _setting(
+        "auto",
+        "dtype the adapters are held and multiplied in: auto is the model's; bfloat16 or float16 halve what a step "
+        "reads of them (a float32 adapter is rounded once, at load)",
+        choices=list(LORA_DTYPES),
+    )
     generation_config: str = _setting(
         "auto", "auto: apply the checkpoint's generation_config.json defaults", choices=["auto", "vllm"]
     )
@@ -341,9 +348,16 @@ class EngineArgs:
                 master_port=self.master_port,
             ),
             speculative=speculative,
-            lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None,
+            lora=self._lora_config(),
             reasoning_parser=self.reasoning_parser,
         )
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if self.enable_lora:
+            return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
+        if self.lora_dtype != "auto":
+            raise ValueError("lora_dtype applies to LoRA adapters: set enable_lora (--enable-lora) as well")
+        return None
 
 
 @functools.cache

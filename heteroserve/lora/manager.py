@@ -25,9 +25,11 @@ class LoRAManager:
         self.config = config
         self.ops = ops
         self.shard = shard
-        self.dtype = dtype
+        self.dtype = dtype  # the activations'
         self.device = device
-        self.slots = LoRASlots(shard.arch, config.max_loras, config.max_lora_rank, dtype, device)
+        # The adapters' own: the model's, or the 16-bit one --lora-dtype names (the kernels widen it as they read).
+        self.weights_dtype = dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
+        self.slots = LoRASlots(shard.arch, config.max_loras, config.max_lora_rank, self.weights_dtype, device)
         self._host: OrderedDict[int, AdapterWeights] = OrderedDict()
         self.num_loads = 0  # adapters read from disk
         self.num_swaps = 0  # adapters written into a device slot
@@ -60,7 +62,8 @@ class LoRAManager:
         if weights is None:
             full = self.shard.full_arch
             weights = local_share(
-                load_adapter(lora.lora_name, lora.lora_path, full, self.config.max_lora_rank, self.dtype), self.shard
+                load_adapter(lora.lora_name, lora.lora_path, full, self.config.max_lora_rank, self.weights_dtype),
+                self.shard,
             )
             self.num_loads += 1
             self._host[lora.lora_int_id] = weights

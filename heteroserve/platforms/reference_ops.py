@@ -140,11 +140,13 @@ def modified_attention(
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor, rows: LoRARows) -> torch.Tensor:
     """y [T, N] plus the adapters' products x A^T B^T on their rows, in place; a_t [slots, K, R] and b_t [slots, R,
-    N] every slot's matrices, rows: which rows run under which slot. Rows of the base model are not touched."""
+    N] every slot's matrices (in x's dtype or one --lora-dtype gives them, brought to x's for the product), rows:
+    which rows run under which slot. Rows of the base model are not touched."""
     if rows.slot_range is not None:
         a_t, b_t = a_t[rows.slot_range[0] : rows.slot_range[1]], b_t[rows.slot_range[0] : rows.slot_range[1]]
     else:
         a_t, b_t = a_t.index_select(0, rows.slot_index), b_t.index_select(0, rows.slot_index)
+    a_t, b_t = a_t.to(x.dtype), b_t.to(x.dtype)
     if rows.span is not None:
         start, end = rows.span
         grouped = x[start:end].view(a_t.shape[0], -1, x.shape[1])

@@ -148,6 +148,37 @@ def test_fused_decode_layer_adds_the_adapters_as_the_operators_do(quantization, 
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(logprobs_unfused), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("lora_dtype", ["bfloat16", "float16"])
+def test_16bit_adapters_match_peft_with_the_same_rounding(lora_dtype, base, adapters, comparison):
+    """--lora-dtype: the adapter held in 16 bits, against peft with its A and B rounded to that dtype (adapter 0's
+    scaling is 2, so rounding B before or after the scaling is the same); closer to that than to the float32
+    adapter, so the rounding is the one the reference makes."""
+    adapter = adapters[0]
+    dtype = getattr(torch, lora_dtype)
+    model = PeftModel.from_pretrained(copy.deepcopy(base.reference.model), adapter.path)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.copy_(parameter.to(dtype).float())
+    rounded = as_reference(model.merge_and_unload())
+    llm = base.llm(enable_lora=True, lora_dtype=lora_dtype)
+    token_prompts = prompts(23, [26, 13])
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in token_prompts],
+        greedy_params(base.vocab_size),
+        use_tqdm=False,
+        lora_request=adapter.request,
+    )
+    assert llm.engine.executor.worker.runner.lora.slots.a_t["qkv"].dtype == dtype
+    for output, prompt in zip(outputs, token_prompts, strict=True):
+        error = check_output(f"{lora_dtype} adapter", output, prompt, rounded, comparison)
+        tokens = prompt + list(output.outputs[0].token_ids[:-1])
+        ours = torch.tensor([[e[t].logprob for t in sorted(e)] for e in output.outputs[0].logprobs])
+        exact = torch.log_softmax(adapter.reference.logits(tokens)[len(prompt) - 1 :], -1)
+        scale = adapter.reference.logits(tokens).abs().max()
+        assert error < float((ours - exact).abs().max() / scale) / 4, "the adapter was not held in 16 bits"
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculative_decoding_under_an_adapter(method, base, adapters, comparison):
     """n-gram drafts, or the base model without the adapter as the draft model."""
@@ -224,3 +255,10 @@ def test_lora_needs_enable_lora(base, adapters):
     llm = base.llm()
     with pytest.raises(ValueError, match="LoRA is off"):
         llm.generate([{"prompt_token_ids": [1, 2]}], lora_request=adapters[0].request, use_tqdm=False)
+
+
+def test_lora_dtype_needs_enable_lora(base):
+    with pytest.raises(ValueError, match="lora_dtype applies to LoRA adapters"):
+        base.llm(lora_dtype="bfloat16")
+    with pytest.raises(ValueError, match="lora_dtype must be one of"):
+        base.llm(enable_lora=True, lora_dtype="int8")

@@ -65,6 +65,16 @@ def test_a_row_gets_the_same_bits_alone_and_batched(kernel, rank, n):
         assert torch.equal(alone[0], batched[row]), f"row {row}"
 
 
+@pytest.mark.parametrize("weights", [torch.bfloat16, torch.float16])
+def test_16bit_adapters_are_widened_as_they_are_read(kernel, weights):
+    """--lora-dtype: float32 rows, 16-bit A^T and B^T; the same sums as float32 matrices holding the same values."""
+    x, y, a_t, b_t = _problem(48, 960, 30, torch.float32)
+    a_t, b_t = a_t.to(weights), b_t.to(weights)
+    rows = LoRARows.plan(SEGMENTS, torch.float32, torch.device("cpu"))
+    got = kernel(y.clone(), x, a_t, b_t, rows)
+    assert torch.equal(got, kernel(y.clone(), x, a_t.float(), b_t.float(), rows))
+
+
 def test_bfloat16_within_its_rounding(kernel):
     x, y, a_t, b_t = _problem(16, 96, 30, torch.bfloat16)
     expected = _expected(x, y, a_t, b_t, SEGMENTS)

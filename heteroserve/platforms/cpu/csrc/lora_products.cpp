@@ -7,6 +7,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -83,25 +84,27 @@ struct RowTile {
   int64_t first, rows, slot;
 };
 
-template <typename T>
-void add_products(T* y, const T* x, const T* a_t, const T* b_t, int64_t K, int64_t R, int64_t N,
+template <typename T, typename W>
+void add_products(T* y, const T* x, const W* a_t, const W* b_t, int64_t K, int64_t R, int64_t N,
                   const std::vector<RowTile>& tiles, float* low) {
-  // Shrink: low[tile rows] = x A^T, a tile at a time (R is a few vectors wide: no split over columns).
-  heteroserve::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const RowTile& rows = tiles[t];
-      columns<false>(static_cast<int>(rows.rows), x + rows.first * K, K, K, a_t + rows.slot * K * R, R,
-                     low + rows.first * R, R, 0, R);
-    }
+  const auto shrink = [&](const RowTile& rows) {  // low[rows] = x[rows] A^T
+    columns<false>(static_cast<int>(rows.rows), x + rows.first * K, K, K, a_t + rows.slot * K * R, R,
+                   low + rows.first * R, R, 0, R);
+  };
+  const auto expand = [&](const RowTile& rows, int64_t c0, int64_t c1) {  // y[rows, c0:c1] += low[rows] B^T
+    columns<true>(static_cast<int>(rows.rows), low + rows.first * R, R, R, b_t + rows.slot * R * N, N,
+                  y + rows.first * N, N, c0, c1);
+  };
+  const int64_t count = static_cast<int64_t>(tiles.size());
+  // The shrink over tiles, then the expand split over tiles x column blocks (a step of few rows still shares out).
+  heteroserve::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) shrink(tiles[t]);
   });
-  // Expand: y[tile rows] += low B^T, split over tiles x blocks of output columns.
   const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
-  heteroserve::parallel_for(0, static_cast<int64_t>(tiles.size()) * blocks, 1, [&](int64_t begin, int64_t end) {
+  heteroserve::parallel_for(0, count * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const RowTile& rows = tiles[item / blocks];
-      const int64_t c0 = item % blocks * kColumnBlock, c1 = std::min(N, c0 + kColumnBlock);
-      columns<true>(static_cast<int>(rows.rows), low + rows.first * R, R, R, b_t + rows.slot * R * N, N,
-                    y + rows.first * N, N, c0, c1);
+      const int64_t c0 = item % blocks * kColumnBlock;
+      expand(tiles[item / blocks], c0, std::min(N, c0 + kColumnBlock));
     }
   });
 }
@@ -110,15 +113,18 @@ void add_products(T* y, const T* x, const T* a_t, const T* b_t, int64_t K, int64
 
 namespace heteroserve {
 
-// y [M, N] (float32 or bfloat16, contiguous) += the adapters' products of x [M, K]; a_t [slots, K, R], b_t [slots,
-// R, N] in y's dtype; segments int64 [S, 3] of (first row, end row, slot).
+// y [M, N] (float32 or bfloat16, contiguous) += the adapters' products of x [M, K] (y's dtype); a_t [slots, K, R]
+// and b_t [slots, R, N] in float32, bfloat16 or float16 (widened as they are read); segments int64 [S, 3] of
+// (first row, end row, slot).
 at::Tensor lora_add(at::Tensor y, const at::Tensor& x_in, const at::Tensor& a_t, const at::Tensor& b_t,
                     const at::Tensor& segments) {
-  const at::ScalarType dtype = y.scalar_type();
+  const at::ScalarType dtype = y.scalar_type(), weights = a_t.scalar_type();
   TORCH_CHECK_NOT_IMPLEMENTED(dtype == at::kFloat || dtype == at::kBFloat16,
                               "lora_add: float32 or bfloat16 activations");
-  TORCH_CHECK(x_in.scalar_type() == dtype && a_t.scalar_type() == dtype && b_t.scalar_type() == dtype,
-              "lora_add: y, x and the adapters' matrices share a dtype");
+  TORCH_CHECK_NOT_IMPLEMENTED(weights == at::kFloat || weights == at::kBFloat16 || weights == at::kHalf,
+                              "lora_add: adapters in float32, bfloat16 or float16");
+  TORCH_CHECK(x_in.scalar_type() == dtype && b_t.scalar_type() == weights,
+              "lora_add: x in y's dtype, A^T and B^T in one dtype");
   TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && x_in.dim() == 2 && a_t.dim() == 3 && b_t.dim() == 3 &&
                   a_t.is_contiguous() && b_t.is_contiguous(),
               "lora_add: y [M, N] and x [M, K] with contiguous A^T [slots, K, R] and B^T [slots, R, N]");
@@ -135,18 +141,31 @@ at::Tensor lora_add(at::Tensor y, const at::Tensor& x_in, const at::Tensor& a_t,
     const int64_t first = segment[3 * s], end = segment[3 * s + 1], slot = segment[3 * s + 2];
     TORCH_CHECK(0 <= first && first <= end && end <= M && 0 <= slot && slot < slots,
                 "lora_add: segment ", s, " is outside the rows or the slots");
-    for (int64_t row = first; row < end; row += kTileRows) {
-      tiles.push_back({row, std::min(end - row, int64_t{kTileRows}), slot});
+    // Tiles of equal height: 8 rows run as 4 + 4, not 6 + 2, whose short tile spends a load per multiply-add.
+    const int64_t count = (end - first + kTileRows - 1) / kTileRows;
+    for (int64_t t = 0, row = first; t < count; ++t) {
+      const int64_t rows = (end - row + (count - t) - 1) / (count - t);
+      tiles.push_back({row, rows, slot});
+      row += rows;
     }
   }
   if (tiles.empty()) return y;
   std::vector<float> low(M * R);
+  const auto run = [&](auto* yd, const auto* xd) {
+    if (weights == at::kFloat) {
+      add_products(yd, xd, a_t.const_data_ptr<float>(), b_t.const_data_ptr<float>(), K, R, N, tiles, low.data());
+    } else if (weights == at::kBFloat16) {
+      add_products(yd, xd, a_t.const_data_ptr<c10::BFloat16>(), b_t.const_data_ptr<c10::BFloat16>(), K, R, N, tiles,
+                   low.data());
+    } else {
+      add_products(yd, xd, a_t.const_data_ptr<c10::Half>(), b_t.const_data_ptr<c10::Half>(), K, R, N, tiles,
+                   low.data());
+    }
+  };
   if (dtype == at::kFloat) {
-    add_products(y.data_ptr<float>(), x.const_data_ptr<float>(), a_t.const_data_ptr<float>(),
-                 b_t.const_data_ptr<float>(), K, R, N, tiles, low.data());
+    run(y.data_ptr<float>(), x.const_data_ptr<float>());
   } else {
-    add_products(y.data_ptr<c10::BFloat16>(), x.const_data_ptr<c10::BFloat16>(), a_t.const_data_ptr<c10::BFloat16>(),
-                 b_t.const_data_ptr<c10::BFloat16>(), K, R, N, tiles, low.data());
+    run(y.data_ptr<c10::BFloat16>(), x.const_data_ptr<c10::BFloat16>());
   }
   return y;
 }
