@@ -40,7 +40,7 @@ def _expected(x, y, a_t, b_t, segments) -> torch.Tensor:
 SEGMENTS = [(0, 3, 2), (4, 21, 0), (21, 22, 3), (22, 30, 0)]  # a base row (3), a run of 17: several tiles
 
 
-@pytest.mark.parametrize("rank, n", [(16, 96), (48, 960), (8, 77), (5, 19)])
+@pytest.mark.parametrize("rank, n", [(16, 96), (48, 960), (8, 77), (5, 19), (64, 40)])
 def test_adds_each_rows_adapter_product(kernel, rank, n):
     x, y, a_t, b_t = _problem(rank, n, 30, torch.float32)
     expected = _expected(x, y, a_t, b_t, SEGMENTS)

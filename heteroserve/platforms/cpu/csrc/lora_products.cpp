@@ -76,6 +76,40 @@ void columns(int rows, const X* x, int64_t x_stride, int64_t K, const W* w, int6
   }
 }
 
+// Vector registers of the ISA, and the rows of a shrink tile `V` vectors wide that keep its accumulators, a weight
+// vector and a broadcast row value within them.
+constexpr int kRegisters = kLanes == 16 ? 32 : 16;
+constexpr int kShrinkVectors = 6;  // R up to this many vectors runs in one pass over A^T
+
+template <int V>
+constexpr int shrink_rows() {
+  return std::max(1, std::min(kTileRows, (kRegisters - V - 1) / V));
+}
+
+// low[rows, 0:R] = x[rows] A^T. Where R is a whole number of vectors, at most kShrinkVectors, a tile covers every
+// column, so A^T's rows are read whole and in order, once per tile (in column chunks, each pass over A^T would read
+// a share of every cache line and leave the rest to the next pass).
+template <typename X, typename W>
+void shrink(int rows, const X* x, int64_t K, const W* a, int64_t R, float* low) {
+  const auto whole = [&](auto vectors) {
+    constexpr int V = decltype(vectors)::value, MR = shrink_rows<V>();
+    for (int r0 = 0; r0 < rows; r0 += MR) {
+      heteroserve::with_rows<MR>(std::min(MR, rows - r0), [&](auto r) {
+        product_tile<decltype(r)::value, V, false>(x + r0 * K, K, K, a, R, low + r0 * R, R);
+      });
+    }
+  };
+  switch (R % kLanes == 0 ? R / kLanes : 0) {
+    case 1: return whole(std::integral_constant<int, 1>{});
+    case 2: return whole(std::integral_constant<int, 2>{});
+    case 3: return whole(std::integral_constant<int, 3>{});
+    case 4: return whole(std::integral_constant<int, 4>{});
+    case 5: return whole(std::integral_constant<int, 5>{});
+    case kShrinkVectors: return whole(std::integral_constant<int, kShrinkVectors>{});
+    default: columns<false>(rows, x, K, K, a, R, low, R, 0, R);
+  }
+}
+
 // Output columns of the expand per work item: several register tiles, so a step of few rows still splits over
 // the threads while each item amortises claiming it.
 constexpr int64_t kColumnBlock = 8 * heteroserve::kPanel;
@@ -87,9 +121,8 @@ struct RowTile {
 template <typename T, typename W>
 void add_products(T* y, const T* x, const W* a_t, const W* b_t, int64_t K, int64_t R, int64_t N,
                   const std::vector<RowTile>& tiles, float* low) {
-  const auto shrink = [&](const RowTile& rows) {  // low[rows] = x[rows] A^T
-    columns<false>(static_cast<int>(rows.rows), x + rows.first * K, K, K, a_t + rows.slot * K * R, R,
-                   low + rows.first * R, R, 0, R);
+  const auto shrink_tile = [&](const RowTile& rows) {
+    shrink(static_cast<int>(rows.rows), x + rows.first * K, K, a_t + rows.slot * K * R, R, low + rows.first * R);
   };
   const auto expand = [&](const RowTile& rows, int64_t c0, int64_t c1) {  // y[rows, c0:c1] += low[rows] B^T
     columns<true>(static_cast<int>(rows.rows), low + rows.first * R, R, R, b_t + rows.slot * R * N, N,
@@ -98,7 +131,7 @@ void add_products(T* y, const T* x, const W* a_t, const W* b_t, int64_t K, int64
   const int64_t count = static_cast<int64_t>(tiles.size());
   // The shrink over tiles, then the expand split over tiles x column blocks (a step of few rows still shares out).
   heteroserve::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) shrink(tiles[t]);
+    for (int64_t t = begin; t < end; ++t) shrink_tile(tiles[t]);
   });
   const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
   heteroserve::parallel_for(0, count * blocks, 1, [&](int64_t begin, int64_t end) {
