@@ -134,9 +134,11 @@ def test_outputs_equal_plain_decoding(params, served, token_prompts, plain):
 SAMPLED_TOKENS, SAMPLED_TOP_K, TEMPERATURE, SAMPLES, SEED_BASE = 4, 3, 0.9, 2400, 5000
 
 
-def _path_probabilities(served: TinyModel, prompt: list[int]) -> dict[tuple[int, ...], float]:
+def path_probabilities(
+    served: TinyModel, prompt: list[int], temperature: float = TEMPERATURE
+) -> dict[tuple[int, ...], float]:
     """Every continuation of SAMPLED_TOKENS tokens with its probability under plain sampling: at each position
-    softmax over the top SAMPLED_TOP_K of transformers' logits / TEMPERATURE."""
+    softmax over the top SAMPLED_TOP_K of transformers' logits / temperature."""
     paths = {(): 1.0}
     for _ in range(SAMPLED_TOKENS):
         longer = {}
@@ -144,10 +146,29 @@ def _path_probabilities(served: TinyModel, prompt: list[int]) -> dict[tuple[int,
             with torch.no_grad():
                 logits = served.reference.model(torch.tensor([prompt + list(path)])).logits[0, -1].double()
             top = logits.topk(SAMPLED_TOP_K)
-            for token, p in zip(top.indices.tolist(), torch.softmax(top.values / TEMPERATURE, 0).tolist(), strict=True):
+            for token, p in zip(top.indices.tolist(), torch.softmax(top.values / temperature, 0).tolist(), strict=True):
                 longer[(*path, token)] = probability * p
         paths = longer
     return paths
+
+
+def chi_square(counts: Counter, exact: dict[tuple[int, ...], float]) -> tuple[float, int]:
+    """The chi-square test's p-value of sampled paths' counts against their exact probabilities (paths expected
+    fewer than 5 times pooled into one cell), and the number of cells."""
+    from scipy.stats import chisquare
+
+    total = sum(counts.values())
+    observed, expected, pooled = [], [], [0, 0.0]
+    for path, probability in exact.items():
+        if probability * total >= 5:
+            observed.append(counts[path])
+            expected.append(probability * total)
+        else:
+            pooled[0] += counts[path]
+            pooled[1] += probability * total
+    observed.append(pooled[0])
+    expected.append(pooled[1])
+    return chisquare(observed, expected).pvalue, len(observed)
 
 
 @pytest.mark.parametrize(
@@ -165,16 +186,14 @@ def test_sampled_requests_keep_the_models_distribution(spec, served, other_draft
     (transformers' logits), by a chi-square test over the 81 paths (cells of expected count under 5 pooled);
     seeded requests make the verdict the same on every run. Dropping the rejection step (every draft kept) fails
     it: the other draft's paths are then the draft's."""
-    from scipy.stats import chisquare
-
     if spec is not None and spec.get("model") == "other":
         spec = {**spec, "model": other_draft}
     # The prompt repeats its start with likely continuations of it between, so the n-gram proposer finds earlier
     # occurrences to draft from (about one a request; its drafts are then mostly refused: the residual path).
     start = prompts(5, [12], served.vocab_size)[0]
-    likely = _path_probabilities(served, start)
+    likely = path_probabilities(served, start)
     prompt = start + [t for path in sorted(likely, key=likely.get)[-6:] for t in path] + start
-    exact = _path_probabilities(served, prompt)
+    exact = path_probabilities(served, prompt)
     llm = served.llm(max_num_seqs=256, num_kv_blocks=512, **({"speculative_config": spec} if spec else {}))
     batch = [
         SamplingParams(
@@ -185,20 +204,10 @@ def test_sampled_requests_keep_the_models_distribution(spec, served, other_draft
     outputs = llm.generate([{"prompt_token_ids": prompt}] * SAMPLES, batch, use_tqdm=False)
     counts = Counter(tuple(o.outputs[0].token_ids) for o in outputs)
     assert set(counts) <= set(exact), "a continuation outside the top-k paths"
-    observed, expected, pooled = [], [], [0, 0.0]
-    for path, probability in exact.items():
-        if probability * SAMPLES >= 5:
-            observed.append(counts[path])
-            expected.append(probability * SAMPLES)
-        else:
-            pooled[0] += counts[path]
-            pooled[1] += probability * SAMPLES
-    observed.append(pooled[0])
-    expected.append(pooled[1])
-    p_value = chisquare(observed, expected).pvalue
+    p_value, cells = chi_square(counts, exact)
     stats = llm.engine.stats()
     print(
-        f"{spec}: chi-square p={p_value:.3f} over {len(observed)} cells; "
+        f"{spec}: chi-square p={p_value:.3f} over {cells} cells; "
         f"{stats.spec_accepted_tokens} of {stats.spec_draft_tokens} drafts kept"
     )
     if spec is not None:  # the n-gram proposer's drafts come where the prompt's tokens follow: about a third
