@@ -3,10 +3,10 @@
 Each round starts each server in turn (alternating which goes first), warms it up with a short request, then
 streams WORKLOAD.md-style prompts through `/v1/completions` (token ids, greedy, EOS ignored, 256 generated):
 phase 1, four requests of 6,000 prompt tokens at once; phase 2, one request of 7,900 alone. Reported per phase:
-time to first token (each request's), decode rate at depth (a request's tokens after its first over the time
-after its first, and the phase's aggregate), and the server's peak resident memory (VmHWM) after both phases.
-Both servers hold the KV cache in 16 bits (llama.cpp's default f16; ours `--kv-cache-dtype float16`), with room
-for the four requests' whole contexts; prefix caching is off on both (every prompt is new anyway).
+time to first token (each request's), decode rate at depth, and the server's peak resident memory (VmHWM) after
+both phases. Both servers hold the KV cache in 16 bits (llama.cpp's default f16; ours `--kv-cache-dtype float16`), the same
+size on both (4 x 8,192 tokens); prefix caching is off on both (every prompt is new anyway). Decode at depth is the
+phase's tokens over the stretch in which all its requests are past their prompts and none has finished.
 
 The fraction of the machine's read rate that decode attention reaches at depth: a decode step of phase 1 reads
 every request's K and V (layers x 2 x kv_heads x head_dim x 2 bytes a token of context) and the weights once;
@@ -56,7 +56,8 @@ def start(side: str, gguf: Path, llama_server: Path) -> subprocess.Popen:
     else:
         command = [sys.executable, "-m", "heteroserve.entrypoints.openai.api_server", "--port", str(PORT)]
         command += ["--max-model-len", str(CONTEXT), "--kv-cache-dtype", "float16", "--no-enable-prefix-caching"]
-        command += ["--kv-cache-memory-bytes", str(2 * 1024**3), "--uvicorn-log-level", "warning"]
+        command += ["--kv-cache-memory-bytes", str(4 * CONTEXT * kv_bytes_per_token(gguf))]
+        command += ["--uvicorn-log-level", "warning"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -84,24 +85,21 @@ async def stream(client: httpx.AsyncClient, model: str, prompt: list[int]) -> di
                 choices = json.loads(line[6:]).get("choices") or [{}]
                 if choices[0].get("text") or (choices[0].get("finish_reason") is None and "text" in choices[0]):
                     times.append(time.perf_counter())
-    return {"ttft_s": times[0] - sent, "tokens": len(times), "first": times[0], "last": times[-1]}
+    return {"ttft_s": times[0] - sent, "times": times}
 
 
 async def phase(prompts: list[list[int]]) -> dict:
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{PORT}", timeout=1800) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         results = await asyncio.gather(*(stream(client, model, p) for p in prompts))
-    decode = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in results]
-    all_first = max(r["first"] for r in results)  # every request decoding from here
-    together = sum(r["tokens"] - 1 for r in results) / (
-        max(r["last"] for r in results) - min(r["first"] for r in results)
-    )
+    # Decode at depth: the stretch in which every request of the phase is past its prompt and none has finished.
+    start, end = max(r["times"][0] for r in results), min(r["times"][-1] for r in results)
+    together = sum(1 for r in results for t in r["times"] if start < t <= end) / (end - start) if end > start else None
     return {
         "ttft_s": [r["ttft_s"] for r in results],
-        "decode_tokens_per_s_each": decode,
-        "decode_tokens_per_s_aggregate": together,
-        "tokens": [r["tokens"] for r in results],
-        "last_prefill_done_s": all_first - min(r["first"] for r in results),
+        "tokens": [len(r["times"]) for r in results],
+        "decode_tokens_per_s_together": together,
+        "decoding_together_s": end - start,
     }
 
 
@@ -156,10 +154,10 @@ def main() -> None:
             r = result[side]
             four, one = r["four_of_6000"], r["one_of_7900"]
             print(
-                f"round {index + 1} {side}: 4x6000 TTFT max {max(four['ttft_s']):.1f} s, decode at depth "
-                f"{statistics.median(four['decode_tokens_per_s_each']):.1f} tok/s each "
-                f"({four['decode_tokens_per_s_aggregate']:.1f} together); 1x7900 TTFT {one['ttft_s'][0]:.1f} s, "
-                f"decode {one['decode_tokens_per_s_each'][0]:.1f} tok/s; peak RSS {r['peak_rss_mib']:.0f} MiB",
+                f"round {index + 1} {side}: 4x6000 TTFT {min(four['ttft_s']):.1f}-{max(four['ttft_s']):.1f} s, "
+                f"decode at depth {four['decode_tokens_per_s_together']:.1f} tok/s together; 1x7900 TTFT "
+                f"{one['ttft_s'][0]:.1f} s, decode {one['decode_tokens_per_s_together']:.1f} tok/s; peak RSS "
+                f"{r['peak_rss_mib']:.0f} MiB",
                 flush=True,
             )
     if args.read_rate_gbs:
@@ -167,7 +165,7 @@ def main() -> None:
         kv_bytes = sum(n + OUTPUT / 2 for n in PHASES["four_of_6000"]) * kv_bytes_per_token(source.gguf_file)
         step_bytes = kv_bytes + source.gguf_file.stat().st_size
         for side in ("heteroserve", "llama.cpp"):
-            rates = [r[side]["four_of_6000"]["decode_tokens_per_s_aggregate"] for r in rounds]
+            rates = [r[side]["four_of_6000"]["decode_tokens_per_s_together"] for r in rounds]
             step_s = len(PHASES["four_of_6000"]) / statistics.median(rates)
             fraction = step_bytes / step_s / (args.read_rate_gbs * 1e9)
             print(
