@@ -4,9 +4,10 @@ Each round starts each server in turn (alternating which goes first), warms it u
 streams WORKLOAD.md-style prompts through `/v1/completions` (token ids, greedy, EOS ignored, 256 generated):
 phase 1, four requests of 6,000 prompt tokens at once; phase 2, one request of 7,900 alone. Reported per phase:
 time to first token (each request's), decode rate at depth, and the server's peak resident memory (VmHWM) after
-both phases. Both servers hold the KV cache in 16 bits (llama.cpp's default f16; ours `--kv-cache-dtype float16`), the same
-size on both (4 x 8,192 tokens); prefix caching is off on both (every prompt is new anyway). Decode at depth is the
-phase's tokens over the stretch in which all its requests are past their prompts and none has finished.
+both phases. Both servers hold the KV cache in 16 bits (llama.cpp's default f16; ours `--kv-cache-dtype float16`),
+the same size on both (4 x 8,192 tokens); prefix caching is off on both (every prompt is new anyway). Decode at
+depth is the phase's tokens over the stretch in which all its requests are past their prompts and none has
+finished.
 
 The fraction of the machine's read rate that decode attention reaches at depth: a decode step of phase 1 reads
 every request's K and V (layers x 2 x kv_heads x head_dim x 2 bytes a token of context) and the weights once;
