@@ -5,7 +5,6 @@
 // k order in one accumulator whatever the tile around it, so a row gets the same bits alone or in any batch.
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
