@@ -37,6 +37,8 @@
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
 #endif
 
 namespace {
@@ -47,8 +49,6 @@ constexpr int64_t kBlock = 64;         // output rows per block of torch's layou
 constexpr int64_t kDirectRows = 16;    // below this many rows, no panels: measured in cpu_int4.py
 constexpr int kDirectPass = 4;         // rows per pass over a block: 4 x 4 x 2 accumulators in registers
 constexpr int64_t kDirectPrefetch = 32;  // columns ahead of the direct path's reads
-// Rows per tile of the panel path: its per-group and running sums (4 x rows vectors) stay in registers.
-constexpr int kGroupTileRows = kTileRows / 2;
 typedef float f32x16 __attribute__((vector_size(64)));
 
 // The 64 4-bit values of one input column of a block, as floats: rows 0-15, 16-31 (low nibbles), 32-47, 48-63.
@@ -100,12 +100,34 @@ inline void group_scale(const float* scale_zero, int64_t g, int first, V& s, V& 
   z -= 8.f * s;
 }
 
+// a * b + c rounded once where the ISA has fused multiply-adds, written out so that both paths get it whatever
+// the compiler contracts where (it left a * b + c unfused beside a load once: a different last bit).
+template <typename V>
+inline V fused_multiply_add(V a, V b, V c) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) return reinterpret_cast<V>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
+                                                                            reinterpret_cast<__m512>(b),
+                                                                            reinterpret_cast<__m512>(c)));
+#endif
+#if defined(__FMA__)
+  if constexpr (sizeof(V) == 32) return reinterpret_cast<V>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a),
+                                                                           reinterpret_cast<__m256>(b),
+                                                                           reinterpret_cast<__m256>(c)));
+#endif
+#if defined(__aarch64__)
+  if constexpr (sizeof(V) == 16) {
+    return reinterpret_cast<V>(vfmaq_f32(reinterpret_cast<float32x4_t>(c), reinterpret_cast<float32x4_t>(a),
+                                         reinterpret_cast<float32x4_t>(b)));
+  }
+#endif
+  return a * b + c;
+}
+
 // A group's terms added to an accumulator, in the one order both paths use.
 template <typename V>
 inline V add_group(V acc, V s, V part, V z, float x_sum) {
-  acc += s * part;
-  acc += z * x_sum;
-  return acc;
+  acc = fused_multiply_add(s, part, acc);
+  return fused_multiply_add(z, V{} + x_sum, acc);
 }
 
 #if defined(__AVX512F__)
@@ -220,12 +242,13 @@ void expand_block(const uint8_t* block, int64_t K, float* panels) {
 }
 
 // Rows [0, ROWS) of x times panel p of an expanded block: out[r, 0:kPanel]. The tile of packed_tile.h, with the
-// sum restarted per group and the group's terms added as the direct path adds them.
+// sum restarted per group and the group's terms added as the direct path adds them. The running totals live in
+// out (L1) between groups, so the tile is as tall as the float32 GEMM's: a group's 2 x ROWS sums are in registers
+// for its inputs, and a total is read and written once per group of them.
 template <int ROWS>
 void group_tile(const float* x, int64_t K, int64_t groups, const float* x_sums, const float* panel,
                 const float* scale_zero, int p, float* out, int64_t N) {
   const int64_t group = K / groups;
-  vec acc[ROWS][2] = {};
   for (int64_t g = 0; g < groups; ++g) {
     vec part[ROWS][2] = {};
     for (int64_t k = g * group; k < (g + 1) * group; ++k) {
@@ -241,12 +264,12 @@ void group_tile(const float* x, int64_t K, int64_t groups, const float* x_sums, 
     for (int h = 0; h < 2; ++h) {
       vec s, z;
       group_scale(scale_zero, g, p * kPanel + h * kLanes, s, z);
-      for (int r = 0; r < ROWS; ++r) acc[r][h] = add_group(acc[r][h], s, part[r][h], z, x_sums[r * groups + g]);
+      for (int r = 0; r < ROWS; ++r) {
+        float* total = out + r * N + h * kLanes;
+        const vec before = g == 0 ? vec{} : load(total);
+        store(total, add_group(before, s, part[r][h], z, x_sums[r * groups + g]));
+      }
     }
-  }
-  for (int r = 0; r < ROWS; ++r) {
-    store(out + r * N, acc[r][0]);
-    store(out + r * N + kLanes, acc[r][1]);
   }
 }
 
@@ -339,8 +362,8 @@ at::Tensor int4_panel_linear(const at::Tensor& x_in, const at::Tensor& packed, c
         expand_block(pd + b * K * (kBlock / 2), K, panels.data());
         for (int p = 0; p < kBlock / kPanel; ++p) {
           // The expanded panel is already in L2: no next panel to fetch.
-          tile_schedule<kGroupTileRows>(m0, m1, 0, nullptr, [&](int rows, int64_t m, const char*, int64_t) {
-            with_rows<kGroupTileRows>(rows, [&](auto r) {
+          tile_schedule(m0, m1, 0, nullptr, [&](int rows, int64_t m, const char*, int64_t) {
+            with_rows<kTileRows>(rows, [&](auto r) {
               group_tile<decltype(r)::value>(xd + m * K, K, groups, x_sums.data() + m * groups,
                                              panels.data() + p * K * kPanel, szd + b * groups * 2 * kBlock, p,
                                              od + m * N + b * kBlock + p * kPanel, N);
