@@ -60,25 +60,8 @@ def probe(tmp_path: Path, prebuilt: Path) -> tuple[dict, str]:
     return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
 
 
-@pytest.fixture(scope="module")
-def prebuilt(tmp_path_factory) -> tuple[Path, str]:
-    """Every level of this architecture, built by the command the image's Dockerfile runs (~90 s)."""
-    if not variants_for():
-        pytest.skip("no prebuilt levels for this architecture")
-    root = tmp_path_factory.mktemp("prebuilt")
-    run = subprocess.run(
-        [sys.executable, "-m", "heteroserve.entrypoints.cli", "build-kernels", "--prebuilt", "--output", str(root)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=1200,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    return root, run.stdout
-
-
-def test_build_kernels_prebuilt_builds_every_level_and_keeps_only_libraries(prebuilt):
-    root, printed = prebuilt
+def test_build_kernels_prebuilt_builds_every_level_and_keeps_only_libraries(prebuilt_kernels):
+    root, printed = prebuilt_kernels
     assert len(list(root.iterdir())) == len(variants_for())
     for variant in variants_for():
         directory = prebuilt_directory(variant, root)
@@ -86,20 +69,20 @@ def test_build_kernels_prebuilt_builds_every_level_and_keeps_only_libraries(preb
         assert f"{variant.name}: {directory / directory.name}.so" in printed
 
 
-def test_without_a_compiler_the_best_prebuilt_level_for_this_cpu_is_loaded(prebuilt, tmp_path):
+def test_without_a_compiler_the_best_prebuilt_level_for_this_cpu_is_loaded(prebuilt_kernels, tmp_path):
     best = supported_variants(set(cpu_flags().split()))[0]
-    result, _ = probe(tmp_path, prebuilt[0])
+    result, _ = probe(tmp_path, prebuilt_kernels[0])
     assert result["loaded"] and result["build"] == result["describe"] == f"prebuilt {best.name}"
     assert result["max_error"] < 1e-4
 
 
-def test_a_lower_level_is_loaded_when_the_best_is_missing(prebuilt, tmp_path):
+def test_a_lower_level_is_loaded_when_the_best_is_missing(prebuilt_kernels, tmp_path):
     supported = supported_variants(set(cpu_flags().split()))
     if len(supported) < 2:
         pytest.skip("this CPU runs one level only")
     partial = tmp_path / "partial"
     partial.mkdir()
-    directory = prebuilt_directory(supported[-1], prebuilt[0])
+    directory = prebuilt_directory(supported[-1], prebuilt_kernels[0])
     (partial / directory.name).symlink_to(directory)
     result, _ = probe(tmp_path, partial)
     assert result["build"] == f"prebuilt {supported[-1].name}" and result["max_error"] < 1e-4

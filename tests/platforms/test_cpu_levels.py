@@ -2,6 +2,8 @@
 ($HETEROSERVE_CPU_LEVEL: x86_64_v3 is AVX2 + FMA + F16C, x86_64 the SSE2 baseline whose generic vector code is
 the shape NEON gets) with torch's own dispatch held to the same level ($ATEN_CPU_CAPABILITY), then the kernel
 tests and the default model's greedy tokens (4-bit as shipped and float32) against this process's native build.
+A level's library is the one `heteroserve build-kernels --prebuilt` made for the session (conftest.py), the build
+a container image carries.
 The most capable level the CPU runs is what the native build (-march=native) already is, so it is not built
 again. aarch64 runs under qemu-user: scripts/test-aarch64.sh."""
 
@@ -34,19 +36,20 @@ NEAR_TIE = 1e-3
 SUPPORTED = [v.name for v in supported_variants(set(cpu_flags().split()))]
 
 
-def _level_env(level: str | None) -> dict[str, str]:
+def _level_env(level: str | None, prebuilt: Path | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in (LEVEL_VARIABLE, "ATEN_CPU_CAPABILITY")}
     if level is not None:
         env[LEVEL_VARIABLE] = level
         env["ATEN_CPU_CAPABILITY"] = TORCH_CAPABILITY[level]
+        env["HETEROSERVE_PREBUILT_KERNELS"] = str(prebuilt)
     return env
 
 
-def _tokens(level: str | None) -> dict:
+def _tokens(level: str | None, prebuilt: Path | None = None) -> dict:
     run = subprocess.run(
         [sys.executable, "tests/platforms/level_tokens.py"],
         cwd=ROOT,
-        env=_level_env(level),
+        env=_level_env(level, prebuilt),
         capture_output=True,
         text=True,
         timeout=900,
@@ -67,17 +70,18 @@ def test_a_level_passes_the_kernel_tests_and_gives_the_native_tokens(level, requ
     if level == SUPPORTED[0]:
         pytest.skip(f"{level} is this CPU's most capable level: the native build the suite runs")
     native_tokens = request.getfixturevalue("native_tokens")
+    prebuilt = request.getfixturevalue("prebuilt_kernels")[0]
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
         cwd=ROOT,
-        env=_level_env(level),
+        env=_level_env(level, prebuilt),
         capture_output=True,
         text=True,
         timeout=1800,
     )
     assert tests.returncode == 0, tests.stdout[-4000:] + tests.stderr[-2000:]
-    ours = _tokens(level)
-    assert ours["build"] == f"{level} ({LEVEL_VARIABLE})"
+    ours = _tokens(level, prebuilt)
+    assert ours["build"] == f"{level} ({LEVEL_VARIABLE}, prebuilt)"
     assert ours["torch_cpu_capability"] == TORCH_CAPABILITY[level].upper()
     near_ties = 0
     for form in ("int4", "float32"):

@@ -202,12 +202,18 @@ def load_library() -> bool:
     """Loads the library once per process: this CPU's own build (made on first use where a C++ compiler is),
     else the prebuilt build of this CPU's instruction-set level (cpu/kernel_variants.py: what the container
     image carries). False, after one warning, where neither loads: the platform then keeps the reference
-    operators. $HETEROSERVE_CPU_LEVEL names one level instead (x86_64_v4, x86_64_v3, x86_64, armv8_a): its build
-    is made for this machine's cache, so that a machine tests the kernels of every level it can run."""
+    operators. $HETEROSERVE_CPU_LEVEL names one level instead (x86_64_v4, x86_64_v3, x86_64, armv8_a): its
+    prebuilt build where there is one, else one made for this machine's cache, so that a machine tests the kernels
+    of every level it can run."""
     global _loaded_build
     level = os.environ.get(variants.LEVEL_VARIABLE)
     if level:
         variant = variants.forced_variant(level, set(cpu_flags().split()))
+        prebuilt = prebuilt_directory(variant)
+        if (prebuilt / f"{prebuilt.name}.so").exists():
+            torch.ops.load_library(str(prebuilt / f"{prebuilt.name}.so"))
+            _loaded_build = f"{variant.name} ({variants.LEVEL_VARIABLE}, prebuilt)"
+            return True
         directory = library_directory(
             extensions_root(),
             f"heteroserve_cpu_kernels_{variant.name}",
@@ -256,7 +262,7 @@ def int8_panel_available() -> bool:
 
 def loaded_build() -> str:
     """Which build of the library this process runs: "native", "prebuilt <level>", "<level>
-    (HETEROSERVE_CPU_LEVEL)", or "none"."""
+    (HETEROSERVE_CPU_LEVEL)", "<level> (HETEROSERVE_CPU_LEVEL, prebuilt)", or "none"."""
     return _loaded_build if load_library() else "none"
 
 
