@@ -100,8 +100,9 @@ inline void group_scale(const float* scale_zero, int64_t g, int first, V& s, V& 
   z -= 8.f * s;
 }
 
-// a * b + c rounded once where the ISA has fused multiply-adds, written out so that both paths get it whatever
-// the compiler contracts where (it left a * b + c unfused beside a load once: a different last bit).
+// a * b + c rounded once where the ISA has fused multiply-adds, written out so that both paths get it wherever
+// the compiler would contract (GCC leaves group_tile's total + s * P unfused, the total loaded only after the
+// first group: a different last bit from the few-row path's).
 template <typename V>
 inline V fused_multiply_add(V a, V b, V c) {
 #if defined(__AVX512F__)
